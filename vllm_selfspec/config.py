@@ -1,0 +1,216 @@
+"""Speculative configs of the self-speculative methods.
+
+vLLM's `SpeculativeConfig` forbids unknown methods and keys, so each method has
+a subclass of it (declared in its own module under `proposers/`) and the
+plugin routes `SpeculativeConfig(method=<ours>, ...)` to that subclass. The
+subclass reports `uses_draft_model()`, which makes vLLM reserve lookahead KV
+slots, run the drafter on the sampled-token tensor, and build our proposer
+where it would build a draft-model proposer (see `patches.py`).
+
+This module imports only vLLM's config package, so a pickled config can be
+rebuilt in engine and worker processes before the plugin is loaded there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import TypeAdapter, ValidationError
+from vllm.config import SpeculativeConfig
+from vllm.config.utils import config
+
+# method name -> module that defines its config class and proposer class.
+METHOD_MODULES = {
+    "draft_verify": "vllm_selfspec.proposers.draft_verify",
+}
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+# Architectures whose decoder layers the draft engine knows how to run.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+class SelfSpecConfigError(ValueError):
+    """A self-speculative config that cannot work; the message names the field."""
+
+
+def method_module(method: str):
+    return importlib.import_module(METHOD_MODULES[method])
+
+
+def config_class_for(method: str) -> type[SelfSpecConfig]:
+    return method_module(method).CONFIG_CLASS
+
+
+def _field_names(cls: type) -> set[str]:
+    return set(cls.__dataclass_fields__)
+
+
+@config
+class SelfSpecConfig(SpeculativeConfig):
+    """Fields and checks shared by every self-speculative method."""
+
+    config_file: str | None = None
+    """JSON file (path, or a name under `configs/`) with this method's settings
+    for a model, e.g. a searched skip set. Keys set explicitly win."""
+
+    # Defaults a method module sets; None means "not given by the user".
+    default_num_speculative_tokens: ClassVar[int] = 4
+    own_fields: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        self._merge_config_file()
+        if self.model is not None:
+            raise SelfSpecConfigError(
+                f"speculative_config.model: method '{self.method}' drafts with the "
+                "target model itself; remove 'model'."
+            )
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = self.default_num_speculative_tokens
+        self.prompt_lookup_max = 0
+        self.prompt_lookup_min = 0
+        self.draft_model_config = self.target_model_config
+        self.draft_parallel_config = self.target_parallel_config
+        self.validate_method_fields()
+        if self.target_model_config is not None:
+            self._validate_target()
+
+    # --- hooks for the method modules -------------------------------------
+    def validate_method_fields(self) -> None:
+        """Check the method's own fields (those that need no model)."""
+
+    def validate_for_model(self, num_layers: int) -> None:
+        """Check the method's fields against the target's layer count."""
+
+    def method_hash_factors(self) -> list[Any]:
+        """Fields that change the draft's compiled graph."""
+        return [getattr(self, name) for name in self.own_fields]
+
+    # --- vLLM hooks ---------------------------------------------------------
+    def uses_draft_model(self) -> bool:
+        return True
+
+    @property
+    def max_num_new_slots_for_drafting(self) -> int:
+        # Our first draft step reuses the sampled token's own slot; drafting
+        # needs lookahead KV slots (num_lookahead_tokens) but no extra inputs.
+        return 0
+
+    def compute_hash(self) -> str:
+        from vllm.utils.hashing import safe_hash
+
+        factors = [super().compute_hash(), self.method, self.method_hash_factors()]
+        return safe_hash(str(factors).encode(), usedforsecurity=False).hexdigest()
+
+    # --- helpers ------------------------------------------------------------
+    def _merge_config_file(self) -> None:
+        if self.config_file is None:
+            return
+        path = resolve_config_file(self.config_file)
+        try:
+            settings = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise SelfSpecConfigError(
+                f"speculative_config.config_file: cannot read {path} ({error}); "
+                "point it at a JSON file such as configs/smollm2-135m.json."
+            ) from error
+        methods = settings.get("methods", {})
+        if self.method not in methods:
+            raise SelfSpecConfigError(
+                f"speculative_config.config_file: {path} has no settings for method "
+                f"'{self.method}' (it has {sorted(methods)}); add a 'methods."
+                f"{self.method}' entry or choose another file."
+            )
+        allowed = (*self.own_fields, "num_speculative_tokens")
+        fields = type(self).__dataclass_fields__
+        for key, value in methods[self.method].items():
+            if key not in allowed:
+                raise SelfSpecConfigError(
+                    f"speculative_config.config_file: {path} sets unknown key '{key}' "
+                    f"for method '{self.method}'; remove it."
+                )
+            if getattr(self, key) is not None:
+                continue  # set explicitly by the user
+            field_type = eval_field_type(type(self), fields[key].type)
+            try:
+                value = TypeAdapter(field_type).validate_python(value)
+            except ValidationError as error:
+                raise SelfSpecConfigError(
+                    f"speculative_config.config_file: {path} key '{key}' is invalid "
+                    f"({error.errors()[0]['msg']}); fix the file."
+                ) from error
+            setattr(self, key, value)
+
+    def _validate_target(self) -> None:
+        model_config = self.target_model_config
+        architectures = list(getattr(model_config.hf_config, "architectures", []) or [])
+        if not any(arch in SUPPORTED_ARCHITECTURES for arch in architectures):
+            raise SelfSpecConfigError(
+                f"speculative_config.method: '{self.method}' cannot run the layers of "
+                f"architecture {architectures}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}."
+            )
+        parallel = self.target_parallel_config
+        if parallel is not None and parallel.pipeline_parallel_size > 1:
+            raise SelfSpecConfigError(
+                "pipeline_parallel_size: self-speculative drafting runs layers from "
+                "every pipeline stage on the last one, so it needs "
+                "pipeline_parallel_size=1; use tensor parallelism instead."
+            )
+        self.validate_for_model(model_config.hf_config.num_hidden_layers)
+
+
+def eval_field_type(cls: type, field_type: Any) -> Any:
+    """Resolve a string annotation (from `from __future__ import annotations`)."""
+    if not isinstance(field_type, str):
+        return field_type
+    module = importlib.import_module(cls.__module__)
+    return eval(field_type, vars(module))  # noqa: S307 - our own annotations
+
+
+def resolve_config_file(name: str) -> Path:
+    path = Path(name)
+    if path.exists():
+        return path
+    for candidate in (CONFIGS_DIR / name, CONFIGS_DIR / f"{name}.json"):
+        if candidate.exists():
+            return candidate
+    raise SelfSpecConfigError(
+        f"speculative_config.config_file: no file '{name}' (nor under {CONFIGS_DIR}); "
+        "give an existing path or the name of a shipped config."
+    )
+
+
+def check_layer_indices(field: str, indices: list[int] | None, num_layers: int) -> None:
+    """Layer lists must name existing layers, each once."""
+    if indices is None:
+        return
+    bad = [index for index in indices if not 0 <= index < num_layers]
+    if bad:
+        raise SelfSpecConfigError(
+            f"speculative_config.{field}: layer indices {bad} are out of range; the "
+            f"model has layers 0..{num_layers - 1}."
+        )
+    if len(set(indices)) != len(indices):
+        raise SelfSpecConfigError(
+            f"speculative_config.{field}: {indices} repeats a layer; list each once."
+        )
+
+
+def check_keys(cls: type[SelfSpecConfig], kwargs: dict[str, Any]) -> None:
+    """Reject unknown keys with a sentence naming them, before pydantic does."""
+    unknown = sorted(set(kwargs) - _field_names(cls))
+    if unknown:
+        raise SelfSpecConfigError(
+            f"speculative_config: unknown key(s) {unknown} for method "
+            f"'{kwargs.get('method')}'; its own keys are {list(cls.own_fields)}, "
+            "plus num_speculative_tokens and config_file."
+        )

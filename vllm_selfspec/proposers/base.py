@@ -1,0 +1,204 @@
+"""The self-speculative draft engine shared by every method.
+
+vLLM builds this proposer where it would build a draft-model proposer, so its
+runner hands us the sampled tokens and the verification step's attention
+metadata on the device, reserves `num_speculative_tokens` lookahead KV slots
+per request, and verifies our drafts with its rejection sampler.
+
+One round, per request: the sampled token at position p runs through the
+draft plan's sub-blocks (writing draft KV at p into the target's own slots),
+its argmax is draft 1 at p+1, and so on for k steps. The verification forward
+rewrites every layer's KV at those positions, and attention never reads at or
+past a request's sequence length, so draft KV never reaches the target.
+
+Drafts are argmax tokens passed without draft probabilities: vLLM's rejection
+sampler then treats each draft as one-hot, accepting it with probability
+p_target(draft) and resampling from the renormalised remainder on rejection,
+which keeps the target distribution exactly at any temperature.
+
+Methods state only what differs: the layer plan, and when a request stops
+drafting within a round (`stop_after`), with per-request feedback from the
+previous round (`observe_round`). Stopped requests are padded with NO_DRAFT,
+which the runner hook strips before scheduling.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from vllm.compilation.backends import set_model_tag
+from vllm.config import VllmConfig
+from vllm.forward_context import set_forward_context
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.spec_decode.draft_model import DraftModelProposer
+from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+from vllm_selfspec.config import SelfSpecConfig
+from vllm_selfspec.models import adapter_for
+from vllm_selfspec.workers.draft_model import LayerPlan, LayerSubsetDraft
+from vllm_selfspec.workers.hooks import NO_DRAFT
+
+
+class SelfSpecProposer(DraftModelProposer):
+    """k draft steps over a subset of the target's own layers and KV cache."""
+
+    options: SelfSpecConfig
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
+        # DraftModelProposer.__init__ checks a separate draft model; we have none.
+        SpecDecodeBaseProposer.__init__(
+            self, vllm_config, device, pass_hidden_states_to_model=False, runner=runner
+        )
+        self.runner = runner
+        self.options = self.speculative_config
+        self.vocab_mapping = None
+        # Drafts each request got last round, to turn rejections into feedback.
+        self._drafted_last_round: dict[str, int] = {}
+
+    # --- what a method states -------------------------------------------------
+    def layer_plan(self, num_layers: int) -> LayerPlan:
+        raise NotImplementedError
+
+    def observe_round(self, req_id: str, accepted: int, drafted: int) -> None:
+        """Feedback on a request's previous round (called before drafting)."""
+
+    def stop_after(
+        self, req_ids: list[str], confidence: torch.Tensor, step: int
+    ) -> torch.Tensor | None:
+        """Bool per request: stop drafting after this step's token. None: never."""
+        return None
+
+    def forget_finished(self, active_req_ids: set[str]) -> None:
+        """Drop per-request state of requests no longer in the batch."""
+
+    # --- vLLM's proposer interface -------------------------------------------
+    def load_model(self, target_model: nn.Module) -> None:
+        adapter = adapter_for(target_model)
+        layers = adapter.decoder(target_model).layers
+        plan = self.layer_plan(len(layers))
+        with set_model_tag("selfspec_draft"):
+            self.model = LayerSubsetDraft(
+                vllm_config=self.vllm_config,
+                target=target_model,
+                adapter=adapter,
+                plan=plan,
+            )
+        # Metadata is built per attention backend, not per layer, so naming
+        # every target layer costs nothing and lets any plan run.
+        self._draft_attn_layer_names = {
+            layer.self_attn.attn.layer_name for layer in layers
+        }
+
+    def propose(
+        self,
+        num_speculative_tokens: int,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata: CommonAttentionMetadata,
+        sampling_metadata: SamplingMetadata,
+        mm_embed_inputs=None,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,
+        slot_mappings=None,
+    ) -> torch.Tensor:
+        req_ids = list(self.runner.input_batch.req_ids)
+        self._feed_back(req_ids, num_rejected_tokens_gpu)
+        batch_size = common_attn_metadata.batch_size()
+        if token_indices_to_sample is None:
+            token_indices_to_sample = common_attn_metadata.query_start_loc[1:] - 1
+        positions = target_positions[token_indices_to_sample]
+        cad = self._decode_metadata(common_attn_metadata, num_rejected_tokens_gpu)
+        drafts = torch.full(
+            (batch_size, num_speculative_tokens), NO_DRAFT, dtype=torch.int64,
+            device=self.device,
+        )
+        drafting = torch.ones(batch_size, dtype=torch.bool, device=self.device)
+        input_ids = next_token_ids
+        for step in range(num_speculative_tokens):
+            positions = self._advance(positions, cad, batch_size)
+            logits = self._draft_step(input_ids, cad, batch_size, step)
+            input_ids = logits.argmax(dim=-1)
+            drafts[:, step] = torch.where(drafting, input_ids, NO_DRAFT)
+            confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
+            stop = self.stop_after(req_ids, confidence, step)
+            if stop is not None:
+                drafting &= ~stop
+                if not bool(drafting.any()):
+                    break
+        self._record_round(req_ids, drafts)
+        return drafts
+
+    # --- the draft loop's pieces ---------------------------------------------
+    def _decode_metadata(
+        self,
+        cad: CommonAttentionMetadata,
+        num_rejected_tokens_gpu: torch.Tensor | None,
+    ) -> CommonAttentionMetadata:
+        """One query token per request, ending at its last accepted token."""
+        batch_size = cad.batch_size()
+        seq_lens = cad.seq_lens
+        if num_rejected_tokens_gpu is not None:
+            seq_lens = seq_lens - num_rejected_tokens_gpu
+        return cad.replace(
+            seq_lens=seq_lens.clone(),
+            num_actual_tokens=batch_size,
+            max_query_len=1,
+            query_start_loc=self.arange[: batch_size + 1],
+            query_start_loc_cpu=torch.from_numpy(
+                self.token_arange_np[: batch_size + 1]
+            ).clone(),
+            positions=None,
+            _num_computed_tokens_cache=None,
+            _token_to_req_indices_cache=None,
+        )
+
+    def _advance(
+        self, positions: torch.Tensor, cad: CommonAttentionMetadata, batch_size: int
+    ) -> torch.Tensor:
+        """Next position, its slot in the target's block table, seq_len + 1."""
+        return self._update_positions_dependent_metadata(
+            positions, cad, batch_size, batch_size, self.block_size
+        )
+
+    def _draft_step(
+        self,
+        input_ids: torch.Tensor,
+        cad: CommonAttentionMetadata,
+        batch_size: int,
+        step: int,
+    ) -> torch.Tensor:
+        _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(
+            cad, draft_index=step
+        )
+        self.input_ids[:batch_size] = input_ids
+        with set_forward_context(
+            per_layer_metadata,
+            self.vllm_config,
+            num_tokens=batch_size,
+            slot_mapping=self._get_slot_mapping(batch_size),
+        ):
+            hidden_states = self.model(
+                input_ids=self.input_ids[:batch_size],
+                positions=self._get_positions(batch_size),
+            )
+        return self.model.compute_logits(hidden_states[:batch_size])
+
+    # --- per-request feedback ------------------------------------------------
+    def _feed_back(
+        self, req_ids: list[str], num_rejected_tokens_gpu: torch.Tensor | None
+    ) -> None:
+        drafted_last_round, self._drafted_last_round = self._drafted_last_round, {}
+        if num_rejected_tokens_gpu is not None:
+            rejected = num_rejected_tokens_gpu.tolist()
+            for req_id, num_rejected in zip(req_ids, rejected):
+                drafted = drafted_last_round.get(req_id, 0)
+                if drafted:
+                    self.observe_round(req_id, max(drafted - num_rejected, 0), drafted)
+        self.forget_finished(set(req_ids))
+
+    def _record_round(self, req_ids: list[str], drafts: torch.Tensor) -> None:
+        counts = (drafts != NO_DRAFT).sum(dim=1).tolist()
+        self._drafted_last_round = dict(zip(req_ids, counts))

@@ -1,0 +1,143 @@
+"""Draft & Verify (Zhang et al., ACL 2024): a static attention/MLP skip set and
+an adaptive, per-request draft-exit threshold.
+
+A request stops drafting after a token whose top-1 probability is below its
+threshold gamma. After each verification, gamma moves toward the value that
+keeps the request's smoothed acceptance rate at `target_acceptance`:
+AR <- b1*AR + (1-b1)*AR_round;  g~ = g + eps if AR <= alpha else g - eps;
+g <- b2*g + (1-b2)*g~  (the first round sets AR = AR_round).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from vllm.config.utils import config
+
+from vllm_selfspec.config import SelfSpecConfig, SelfSpecConfigError, check_layer_indices
+from vllm_selfspec.proposers.base import SelfSpecProposer
+from vllm_selfspec.workers.draft_model import LayerPlan
+
+
+@config
+class DraftVerifyConfig(SelfSpecConfig):
+    method: Literal["draft_verify"] = "draft_verify"
+    attn_skip: list[int] | None = None
+    """Layers whose attention sub-block the draft skips."""
+    mlp_skip: list[int] | None = None
+    """Layers whose MLP sub-block the draft skips."""
+    threshold: float | None = None
+    """Initial draft-exit threshold gamma_0 (default 0.6)."""
+    adaptive_threshold: bool | None = None
+    """Adapt gamma per request toward target_acceptance (default true)."""
+    target_acceptance: float | None = None
+    """Target acceptance rate alpha of the adaptive threshold (default 0.9)."""
+    threshold_step: float | None = None
+    """Step epsilon of the threshold update (default 0.01)."""
+    acceptance_smoothing: float | None = None
+    """beta_1, smoothing of the acceptance rate (default 0.5)."""
+    threshold_smoothing: float | None = None
+    """beta_2, smoothing of the threshold (default 0.9)."""
+
+    default_num_speculative_tokens = 12
+    own_fields = (
+        "attn_skip", "mlp_skip", "threshold", "adaptive_threshold",
+        "target_acceptance", "threshold_step", "acceptance_smoothing",
+        "threshold_smoothing",
+    )
+    defaults = {
+        "attn_skip": [], "mlp_skip": [], "threshold": 0.6, "adaptive_threshold": True,
+        "target_acceptance": 0.9, "threshold_step": 0.01, "acceptance_smoothing": 0.5,
+        "threshold_smoothing": 0.9,
+    }
+
+    def validate_method_fields(self) -> None:
+        for name, value in self.defaults.items():
+            if getattr(self, name) is None:
+                setattr(self, name, list(value) if isinstance(value, list) else value)
+        for name in ("threshold", "target_acceptance", "acceptance_smoothing",
+                     "threshold_smoothing"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise SelfSpecConfigError(
+                    f"speculative_config.{name}: {getattr(self, name)} is outside "
+                    "[0, 1]; give a probability."
+                )
+        if not 0.0 <= self.threshold_step <= 1.0:
+            raise SelfSpecConfigError(
+                f"speculative_config.threshold_step: {self.threshold_step} is outside "
+                "[0, 1]; the reference uses 0.01."
+            )
+
+    def validate_for_model(self, num_layers: int) -> None:
+        check_layer_indices("attn_skip", self.attn_skip, num_layers)
+        check_layer_indices("mlp_skip", self.mlp_skip, num_layers)
+        if len(self.attn_skip) == num_layers and len(self.mlp_skip) == num_layers:
+            raise SelfSpecConfigError(
+                "speculative_config.attn_skip/mlp_skip: every sub-block is skipped, "
+                "so the draft would ignore the context; keep at least one layer."
+            )
+
+    def method_hash_factors(self) -> list:
+        return [sorted(self.attn_skip), sorted(self.mlp_skip)]
+
+
+@dataclass
+class ExitThreshold:
+    """One request's adaptive draft-exit threshold and smoothed acceptance."""
+
+    gamma: float
+    acceptance: float | None = None
+
+    def update(self, round_acceptance: float, options: DraftVerifyConfig) -> None:
+        if self.acceptance is None:
+            self.acceptance = round_acceptance
+        else:
+            beta1 = options.acceptance_smoothing
+            self.acceptance = beta1 * self.acceptance + (1 - beta1) * round_acceptance
+        step = options.threshold_step
+        moved = self.gamma + step if self.acceptance <= options.target_acceptance else (
+            self.gamma - step
+        )
+        beta2 = options.threshold_smoothing
+        self.gamma = beta2 * self.gamma + (1 - beta2) * moved
+
+
+class DraftVerifyProposer(SelfSpecProposer):
+    options: DraftVerifyConfig
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.thresholds: dict[str, ExitThreshold] = {}
+
+    def layer_plan(self, num_layers: int) -> LayerPlan:
+        return LayerPlan.skipping(num_layers, self.options.attn_skip, self.options.mlp_skip)
+
+    def _threshold(self, req_id: str) -> ExitThreshold:
+        if req_id not in self.thresholds:
+            self.thresholds[req_id] = ExitThreshold(self.options.threshold)
+        return self.thresholds[req_id]
+
+    def observe_round(self, req_id: str, accepted: int, drafted: int) -> None:
+        if self.options.adaptive_threshold:
+            self._threshold(req_id).update(accepted / drafted, self.options)
+
+    def stop_after(
+        self, req_ids: list[str], confidence: torch.Tensor, step: int
+    ) -> torch.Tensor:
+        if step == 0:  # thresholds change only between rounds
+            self._round_gammas = torch.tensor(
+                [self._threshold(req_id).gamma for req_id in req_ids],
+                dtype=confidence.dtype, device=confidence.device,
+            )
+        return confidence < self._round_gammas
+
+    def forget_finished(self, active_req_ids: set[str]) -> None:
+        for req_id in set(self.thresholds) - active_req_ids:
+            del self.thresholds[req_id]
+
+
+CONFIG_CLASS = DraftVerifyConfig
+PROPOSER_CLASS = DraftVerifyProposer

@@ -1,0 +1,111 @@
+"""The draft model: a compiled module over a subset of the target's own layers.
+
+It holds no weights and no KV cache of its own. Its attention sub-blocks are
+the target's `Attention` modules, so they find the target's KV cache and the
+drafter's metadata under the target's layer names in the forward context, and
+draft KV lands in the target's paged blocks. Which sub-blocks run is fixed per
+module (a `LayerPlan`), so vLLM compiles the draft into one graph like any
+model: the draft step pays for the layers it runs, not for Python per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn as nn
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import VllmConfig
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Which attention and MLP sub-blocks of each layer the draft runs."""
+
+    attention: tuple[bool, ...]
+    mlp: tuple[bool, ...]
+
+    @classmethod
+    def skipping(
+        cls, num_layers: int, attn_skip: list[int] | None, mlp_skip: list[int] | None
+    ) -> LayerPlan:
+        attn, mlp = set(attn_skip or ()), set(mlp_skip or ())
+        return cls(
+            attention=tuple(i not in attn for i in range(num_layers)),
+            mlp=tuple(i not in mlp for i in range(num_layers)),
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.attention)
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, runs in enumerate(self.attention) if runs]
+
+    @property
+    def fraction_run(self) -> float:
+        """Share of sub-blocks run, counting attention and MLP alike."""
+        return (sum(self.attention) + sum(self.mlp)) / (2 * self.num_layers)
+
+    def describe(self) -> str:
+        skipped_attn = [i for i, runs in enumerate(self.attention) if not runs]
+        skipped_mlp = [i for i, runs in enumerate(self.mlp) if not runs]
+        return f"attn_skip={skipped_attn} mlp_skip={skipped_mlp}"
+
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1})
+class LayerSubsetDraft(nn.Module):
+    """Embedding, the planned sub-blocks of the target's layers, final norm."""
+
+    def __init__(
+        self,
+        *,
+        vllm_config: VllmConfig,
+        prefix: str = "",
+        target: nn.Module,
+        adapter: ModuleType,
+        plan: LayerPlan,
+    ) -> None:
+        super().__init__()
+        decoder = adapter.decoder(target)
+        if len(decoder.layers) != plan.num_layers:
+            raise ValueError(
+                f"layer plan covers {plan.num_layers} layers, model has "
+                f"{len(decoder.layers)}"
+            )
+        # Registered as submodules so compiled graphs bind the shared weights.
+        self.embed_tokens = decoder.embed_tokens
+        self.layers = decoder.layers
+        self.norm = decoder.norm
+        self.plan = plan
+        self._run_layer = adapter.run_layer
+        self._compute_logits = target.compute_logits
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden_states = (
+            inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        )
+        residual = None
+        for index, layer in enumerate(self.layers):
+            hidden_states, residual = self._run_layer(
+                layer,
+                positions,
+                hidden_states,
+                residual,
+                self.plan.attention[index],
+                self.plan.mlp[index],
+            )
+        if residual is None:
+            return self.norm(hidden_states)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self._compute_logits(hidden_states)

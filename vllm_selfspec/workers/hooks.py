@@ -1,0 +1,83 @@
+"""The replacements that `patches.py` installs into vLLM, each a few lines."""
+
+from __future__ import annotations
+
+from typing import Any, get_args
+
+from vllm_selfspec.config import (
+    METHOD_MODULES,
+    SelfSpecConfig,
+    SelfSpecConfigError,
+    check_keys,
+    config_class_for,
+    method_module,
+)
+from vllm_selfspec.patches import original
+
+# Drafts that stopped early are padded with this id; it is never a real token.
+NO_DRAFT = -1
+
+
+def _vllm_methods() -> set[str]:
+    from vllm.config.speculative import MTPModelTypes, SpeculativeMethod
+
+    return set(get_args(SpeculativeMethod)) | set(get_args(MTPModelTypes))
+
+
+def speculative_config_new(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """SpeculativeConfig(method=<ours>, ...) builds that method's subclass."""
+    from vllm.config.speculative import SpeculativeConfig
+
+    method = kwargs.get("method")
+    if cls is SpeculativeConfig and isinstance(method, str):
+        if method in METHOD_MODULES:
+            cls = config_class_for(method)
+            check_keys(cls, kwargs)
+        elif method not in _vllm_methods():
+            raise SelfSpecConfigError(
+                f"speculative_config.method: unknown method '{method}'; use one of "
+                f"vllm-selfspec's {sorted(METHOD_MODULES)} or one of vLLM's "
+                f"{sorted(_vllm_methods())}."
+            )
+    return object.__new__(cls)
+
+
+def draft_model_proposer_new(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """DraftModelProposer(vllm_config=<ours>) builds that method's proposer."""
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+    vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+    spec = getattr(vllm_config, "speculative_config", None)
+    if cls is DraftModelProposer and isinstance(spec, SelfSpecConfig):
+        cls = method_module(spec.method).PROPOSER_CLASS
+    return object.__new__(cls)
+
+
+def take_draft_token_ids(self: Any) -> Any:
+    """Cut each request's drafts at the first NO_DRAFT before scheduling."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    from vllm_selfspec.proposers.base import SelfSpecProposer
+
+    drafts = original(
+        "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "take_draft_token_ids"
+    )(self)
+    if drafts is None or not isinstance(getattr(self, "drafter", None), SelfSpecProposer):
+        return drafts
+    rows = [
+        row[: row.index(NO_DRAFT)] if NO_DRAFT in row else row
+        for row in drafts.draft_token_ids
+    ]
+    return DraftTokenIds(drafts.req_ids, rows)
+
+
+def v2_runner_unsupported_features(self: Any) -> list[str]:
+    unsupported = original(
+        "vllm.config.vllm", "VllmConfig", "_get_v2_model_runner_unsupported_features"
+    )(self)
+    if isinstance(self.speculative_config, SelfSpecConfig):
+        unsupported.append(
+            f"speculative method '{self.speculative_config.method}' "
+            "(vllm-selfspec drafts through the V1 runner's proposer hook)"
+        )
+    return unsupported
