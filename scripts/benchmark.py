@@ -1,0 +1,241 @@
+"""Compare plain vLLM, vLLM's own speculation and our methods on the same prompts.
+
+Every engine runs in this one process, one after another, on the same prompts
+(HumanEval and MT-bench questions in the model's chat template), one request at
+a time, greedy. Decode tokens/s is taken from vLLM's per-request timestamps
+(first to last token), so prefill is excluded. Results go to
+results/<name>.json and a PNG plot.
+
+    python scripts/benchmark.py --quick            # plain vs draft_verify (setup's main job)
+    python scripts/benchmark.py                    # + ngram, draft_model, full-depth draft
+    python scripts/benchmark.py --model qwen2.5-coder-0.5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from vllm_selfspec import prompts as prompt_sets
+from vllm_selfspec.assets import ROOT
+
+RESULTS = ROOT / "results"
+
+
+def method_configs(model_dir: Path, config_file: str) -> dict[str, dict | None]:
+    return {
+        "plain": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4,
+                  "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+        "draft_model_self": {"method": "draft_model", "model": str(model_dir),
+                             "num_speculative_tokens": 4},
+        "draft_verify_full_depth": {"method": "draft_verify", "num_speculative_tokens": 4,
+                                    "adaptive_threshold": False, "threshold": 0.0},
+        "draft_verify": {"method": "draft_verify", "config_file": config_file},
+    }
+
+
+@dataclass
+class Run:
+    name: str
+    speculative_config: dict | None
+    texts: list[str] = field(default_factory=list)
+    tokens_per_s: list[float] = field(default_factory=list)  # one per repeat
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    decode_tokens: int = 0
+    startup_s: float = 0.0
+    step_costs: dict | None = None
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens per verification step, the bonus token included."""
+        return 1 + self.accepted / self.rounds if self.rounds else None
+
+    @property
+    def drafts_per_round(self) -> float | None:
+        return self.drafted / self.rounds if self.rounds else None
+
+
+def run_engine(run: Run, model_dir: Path, prompts: list[str], args) -> None:
+    from vllm import LLM, SamplingParams
+
+    spec = run.speculative_config
+    extra = {"per_request_spec_decode_metrics": "summary"} if spec else {}
+    started = time.perf_counter()
+    llm = LLM(model=str(model_dir), dtype=args.dtype, max_model_len=2048, seed=0,
+              enforce_eager=args.eager, disable_log_stats=False,
+              speculative_config=spec, **extra)
+    run.startup_s = time.perf_counter() - started
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
+    for repeat in range(args.repeats):
+        tokens, seconds = 0, 0.0
+        texts = []
+        for prompt in tqdm(prompts, desc=f"{run.name} #{repeat + 1}", leave=False):
+            output = llm.generate([prompt], params, use_tqdm=False)[0]
+            stats = output.metrics
+            tokens += stats.num_generation_tokens - 1
+            seconds += stats.last_token_ts - stats.first_token_ts
+            texts.append(output.outputs[0].text)
+            if repeat == 0 and output.outputs[0].spec_decode_metrics is not None:
+                spec_stats = output.outputs[0].spec_decode_metrics
+                run.drafted += spec_stats.num_draft_tokens
+                run.accepted += sum(j * n for j, n in enumerate(spec_stats.histogram))
+                run.rounds += sum(spec_stats.histogram)
+        run.tokens_per_s.append(tokens / seconds)
+        run.decode_tokens = tokens
+        run.texts = texts
+    if spec is not None and spec["method"] == "draft_verify":
+        from vllm_selfspec.workers.profiling import measure_step_costs
+
+        run.step_costs = llm.collective_rpc(measure_step_costs)[0]
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def summarize(runs: list[Run]) -> list[dict]:
+    plain = next(r for r in runs if r.name == "plain")
+    base = statistics.mean(plain.tokens_per_s)
+    rows = []
+    for run in runs:
+        speed = statistics.mean(run.tokens_per_s)
+        row = {
+            "method": run.name,
+            "tokens_per_s": round(speed, 2),
+            "tokens_per_s_runs": [round(x, 2) for x in run.tokens_per_s],
+            "speedup": round(speed / base, 3),
+            "speedup_spread": [round(min(run.tokens_per_s) / base, 3),
+                               round(max(run.tokens_per_s) / base, 3)],
+            "acceptance": _round(run.acceptance),
+            "mean_accepted_length": _round(run.mean_accepted_length),
+            "drafts_per_round": _round(run.drafts_per_round),
+            "identical_to_plain": f"{sum(a == b for a, b in zip(run.texts, plain.texts))}"
+                                  f"/{len(plain.texts)}",
+            "startup_s": round(run.startup_s, 1),
+        }
+        if run.step_costs:
+            cost = run.step_costs["cost_ratio"]
+            row["draft_step_cost_ratio"] = round(cost, 3)
+            row["sublayers_run"] = round(run.step_costs["fraction_of_sublayers_run"], 3)
+            row["ideal_speedup_S*"] = round(
+                run.mean_accepted_length / (1 + run.drafts_per_round * cost), 3)
+        rows.append(row)
+    return rows
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["method"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    speedups = [r["speedup"] for r in rows]
+    errors = [[r["speedup"] - r["speedup_spread"][0] for r in rows],
+              [r["speedup_spread"][1] - r["speedup"] for r in rows]]
+    left.bar(names, speedups, yerr=errors, color="tab:blue", capsize=4)
+    for index, row in enumerate(rows):
+        if "ideal_speedup_S*" in row:
+            left.scatter([index], [row["ideal_speedup_S*"]], color="tab:red", zorder=3,
+                         label="ideal S*")
+    left.axhline(1.0, color="grey", lw=0.8)
+    left.set_ylabel("decode speed-up vs plain vLLM (batch 1)")
+    left.tick_params(axis="x", rotation=30)
+    if any("ideal_speedup_S*" in r for r in rows):
+        left.legend()
+    accept = [r["acceptance"] or 0 for r in rows]
+    right.bar(names, accept, color="tab:green")
+    right.set_ylabel("draft acceptance rate")
+    right.set_ylim(0, 1.05)
+    right.tick_params(axis="x", rotation=30)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--quick", action="store_true",
+                        help="plain vs draft_verify on 4+4 prompts, 64 tokens")
+    parser.add_argument("--methods", help="comma-separated subset of the methods")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--eager", action="store_true", help="no torch.compile")
+    parser.add_argument("--name", help="results file stem")
+    args = parser.parse_args()
+    if args.quick:
+        args.methods = args.methods or "plain,draft_verify"
+        args.max_tokens, args.repeats = 64, 1
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    model_dir = ROOT / "models" / args.model
+    if not model_dir.exists():
+        raise SystemExit(f"{model_dir} is missing: python scripts/build_model.py {args.model}")
+    from transformers import AutoTokenizer
+
+    half = args.num_prompts // 2
+    questions = prompt_sets.humaneval(half) + prompt_sets.mtbench(args.num_prompts - half)
+    prompts = prompt_sets.as_chat(AutoTokenizer.from_pretrained(model_dir), questions)
+
+    configs = method_configs(model_dir, args.model)
+    chosen = args.methods.split(",") if args.methods else list(configs)
+    if "plain" not in chosen:
+        chosen.insert(0, "plain")
+    runs = [Run(name, configs[name]) for name in chosen]
+    for run in tqdm(runs, desc="engines"):
+        run_engine(run, model_dir, prompts, args)
+
+    rows = summarize(runs)
+    name = args.name or f"{args.model}-{args.dtype}{'-quick' if args.quick else ''}"
+    RESULTS.mkdir(exist_ok=True)
+    command = "python scripts/benchmark.py " + " ".join(
+        a for a in os.sys.argv[1:])
+    payload = {"command": command.strip(), "model": args.model, "dtype": args.dtype,
+               "eager": args.eager, "prompts": len(prompts), "max_tokens": args.max_tokens,
+               "repeats": args.repeats, "rows": rows,
+               "configs": {r.name: r.speculative_config for r in runs},
+               "step_costs": {r.name: r.step_costs for r in runs if r.step_costs}}
+    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    plot(rows, RESULTS / f"{name}.png", f"{args.model} ({args.dtype}), {len(prompts)} "
+         f"prompts x {args.max_tokens} tokens, batch 1")
+    print(f"\n{args.model} {args.dtype}: decode tokens/s at batch 1 "
+          f"({len(prompts)} prompts, {args.max_tokens} new tokens, {args.repeats} repeats)")
+    header = ("method", "tok/s", "speed-up", "accept", "mean acc len", "identical", "S*")
+    print("{:<24}{:>8}{:>10}{:>8}{:>14}{:>11}{:>8}".format(*header))
+    for row in rows:
+        print("{:<24}{:>8}{:>10}{:>8}{:>14}{:>11}{:>8}".format(
+            row["method"], row["tokens_per_s"], f"{row['speedup']:.2f}x",
+            _fmt(row["acceptance"]), _fmt(row["mean_accepted_length"]),
+            row["identical_to_plain"], _fmt(row.get("ideal_speedup_S*"))))
+    print(f"saved {RESULTS / name}.json and .png")
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Bad speculative configs fail at start-up with a sentence naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from vllm.engine.arg_utils import EngineArgs
+
+from vllm_selfspec.proposers.draft_verify import DraftVerifyConfig
+
+
+def engine_config(model, speculative_config, **kwargs):
+    args = EngineArgs(model=str(model), max_model_len=512, block_size=32,
+                      speculative_config=speculative_config, **kwargs)
+    return args.create_engine_config()
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"method": "dell"}, r"speculative_config\.method: unknown method 'dell'"),
+        ({"method": "draft_verify", "attn_skipp": [1]},
+         r"unknown key\(s\) \['attn_skipp'\]"),
+        ({"method": "draft_verify", "attn_skip": [3, 30]},
+         r"speculative_config\.attn_skip: layer indices \[30\] are out of range"),
+        ({"method": "draft_verify", "mlp_skip": [-1]},
+         r"speculative_config\.mlp_skip: layer indices \[-1\]"),
+        ({"method": "draft_verify", "attn_skip": list(range(30)),
+          "mlp_skip": list(range(30))}, r"every sub-block is skipped"),
+        ({"method": "draft_verify", "threshold": 1.5},
+         r"speculative_config\.threshold: 1\.5 is outside \[0, 1\]"),
+        ({"method": "draft_verify", "model": "other"},
+         r"speculative_config\.model: method 'draft_verify' drafts with the target"),
+        ({"method": "draft_verify", "config_file": "no-such-file"},
+         r"speculative_config\.config_file: no file 'no-such-file'"),
+    ],
+)
+def test_bad_config_fails_naming_the_field(model_dir, spec, message):
+    with pytest.raises(ValueError, match=message):
+        engine_config(model_dir, spec)
+
+
+def test_unsupported_architecture(gpt2_dir):
+    with pytest.raises(ValueError, match=r"cannot run the layers of architecture "
+                                         r"\['GPT2LMHeadModel'\]"):
+        engine_config(gpt2_dir, {"method": "draft_verify"})
+
+
+def test_pipeline_parallel_refused(model_dir):
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size: .* needs "
+                                         r"pipeline_parallel_size=1"):
+        engine_config(model_dir, {"method": "draft_verify"}, pipeline_parallel_size=2)
+
+
+def test_valid_config_gets_defaults_and_lookahead(model_dir):
+    config = engine_config(model_dir, {"method": "draft_verify", "attn_skip": [4]})
+    spec = config.speculative_config
+    assert isinstance(spec, DraftVerifyConfig)
+    assert spec.num_speculative_tokens == 12  # Draft & Verify's K
+    assert (spec.threshold, spec.target_acceptance) == (0.6, 0.9)
+    assert spec.attn_skip == [4] and spec.mlp_skip == []
+    # vLLM reserves a KV slot per draft token for draft KV.
+    assert config.num_lookahead_tokens == 12
+
+
+def test_config_file_fills_unset_keys(model_dir, tmp_path):
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"methods": {"draft_verify": {
+        "attn_skip": [5, 6], "mlp_skip": [7], "num_speculative_tokens": 5}}}))
+    spec = engine_config(model_dir, {"method": "draft_verify", "config_file": str(path),
+                                     "mlp_skip": [9]}).speculative_config
+    assert spec.attn_skip == [5, 6]  # from the file
+    assert spec.mlp_skip == [9]  # explicit beats the file
+    assert spec.num_speculative_tokens == 5
+
+
+def test_config_file_with_bad_values_is_refused(model_dir, tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"methods": {"draft_verify": {"attn_skip": "x"}}}))
+    with pytest.raises(ValueError, match=r"key 'attn_skip' is invalid"):
+        engine_config(model_dir, {"method": "draft_verify", "config_file": str(path)})
+
+
+def test_skip_set_enters_the_compile_hash(model_dir):
+    first = engine_config(model_dir, {"method": "draft_verify", "attn_skip": [4]})
+    second = engine_config(model_dir, {"method": "draft_verify", "attn_skip": [5]})
+    assert first.compute_hash() != second.compute_hash()
+
+
+def test_vanilla_methods_untouched(model_dir):
+    config = engine_config(model_dir, {"method": "ngram", "num_speculative_tokens": 3,
+                                       "prompt_lookup_max": 2})
+    assert type(config.speculative_config).__name__ == "SpeculativeConfig"

