@@ -26,6 +26,8 @@ from tqdm import tqdm
 
 from vllm_selfspec import prompts as prompt_sets
 from vllm_selfspec.assets import ROOT
+from vllm_selfspec.config import METHOD_MODULES
+from vllm_selfspec.workers.profiling import WORKER_EXTENSION
 
 RESULTS = ROOT / "results"
 
@@ -33,13 +35,13 @@ RESULTS = ROOT / "results"
 def method_configs(model_dir: Path, config_file: str) -> dict[str, dict | None]:
     return {
         "plain": None,
+        "draft_verify": {"method": "draft_verify", "config_file": config_file},
+        "draft_verify_full_depth": {"method": "draft_verify", "num_speculative_tokens": 4,
+                                    "adaptive_threshold": False, "threshold": 0.0},
         "ngram": {"method": "ngram", "num_speculative_tokens": 4,
                   "prompt_lookup_max": 4, "prompt_lookup_min": 2},
         "draft_model_self": {"method": "draft_model", "model": str(model_dir),
                              "num_speculative_tokens": 4},
-        "draft_verify_full_depth": {"method": "draft_verify", "num_speculative_tokens": 4,
-                                    "adaptive_threshold": False, "threshold": 0.0},
-        "draft_verify": {"method": "draft_verify", "config_file": config_file},
     }
 
 
@@ -78,7 +80,7 @@ def run_engine(run: Run, model_dir: Path, prompts: list[str], args) -> None:
     started = time.perf_counter()
     llm = LLM(model=str(model_dir), dtype=args.dtype, max_model_len=2048, seed=0,
               enforce_eager=args.eager, disable_log_stats=False,
-              speculative_config=spec, **extra)
+              worker_extension_cls=WORKER_EXTENSION, speculative_config=spec, **extra)
     run.startup_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
@@ -99,10 +101,8 @@ def run_engine(run: Run, model_dir: Path, prompts: list[str], args) -> None:
         run.tokens_per_s.append(tokens / seconds)
         run.decode_tokens = tokens
         run.texts = texts
-    if spec is not None and spec["method"] == "draft_verify":
-        from vllm_selfspec.workers.profiling import measure_step_costs
-
-        run.step_costs = llm.collective_rpc(measure_step_costs)[0]
+    if spec is not None and spec["method"] in METHOD_MODULES:
+        run.step_costs = llm.collective_rpc("selfspec_step_costs")[0]
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
@@ -154,14 +154,14 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     errors = [[r["speedup"] - r["speedup_spread"][0] for r in rows],
               [r["speedup_spread"][1] - r["speedup"] for r in rows]]
     left.bar(names, speedups, yerr=errors, color="tab:blue", capsize=4)
-    for index, row in enumerate(rows):
-        if "ideal_speedup_S*" in row:
-            left.scatter([index], [row["ideal_speedup_S*"]], color="tab:red", zorder=3,
-                         label="ideal S*")
+    ideal = [(i, r["ideal_speedup_S*"]) for i, r in enumerate(rows)
+             if "ideal_speedup_S*" in r]
+    if ideal:
+        left.scatter(*zip(*ideal), color="tab:red", zorder=3, label="ideal S*")
     left.axhline(1.0, color="grey", lw=0.8)
     left.set_ylabel("decode speed-up vs plain vLLM (batch 1)")
     left.tick_params(axis="x", rotation=30)
-    if any("ideal_speedup_S*" in r for r in rows):
+    if ideal:
         left.legend()
     accept = [r["acceptance"] or 0 for r in rows]
     right.bar(names, accept, color="tab:green")

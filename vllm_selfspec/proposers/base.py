@@ -17,8 +17,8 @@ p_target(draft) and resampling from the renormalised remainder on rejection,
 which keeps the target distribution exactly at any temperature.
 
 Methods state only what differs: the layer plan, and when a request stops
-drafting within a round (`stop_after`), with per-request feedback from the
-previous round (`observe_round`). Stopped requests are padded with NO_DRAFT,
+drafting within a round (`stop_after`, given the step's draft logits), with
+per-request feedback from the previous round (`observe_round`). Stopped requests are padded with NO_DRAFT,
 which the runner hook strips before scheduling.
 """
 
@@ -64,7 +64,7 @@ class SelfSpecProposer(DraftModelProposer):
         """Feedback on a request's previous round (called before drafting)."""
 
     def stop_after(
-        self, req_ids: list[str], confidence: torch.Tensor, step: int
+        self, req_ids: list[str], logits: torch.Tensor, step: int
     ) -> torch.Tensor | None:
         """Bool per request: stop drafting after this step's token. None: never."""
         return None
@@ -74,21 +74,33 @@ class SelfSpecProposer(DraftModelProposer):
 
     # --- vLLM's proposer interface -------------------------------------------
     def load_model(self, target_model: nn.Module) -> None:
+        self.target_model = target_model
         adapter = adapter_for(target_model)
         layers = adapter.decoder(target_model).layers
-        plan = self.layer_plan(len(layers))
-        with set_model_tag("selfspec_draft"):
-            self.model = LayerSubsetDraft(
-                vllm_config=self.vllm_config,
-                target=target_model,
-                adapter=adapter,
-                plan=plan,
-            )
+        self.model = self._build_draft(self.layer_plan(len(layers)))
         # Metadata is built per attention backend, not per layer, so naming
         # every target layer costs nothing and lets any plan run.
         self._draft_attn_layer_names = {
             layer.self_attn.attn.layer_name for layer in layers
         }
+
+    def _build_draft(self, plan: LayerPlan) -> LayerSubsetDraft:
+        with set_model_tag("selfspec_draft"):
+            return LayerSubsetDraft(
+                vllm_config=self.vllm_config,
+                target=self.target_model,
+                adapter=adapter_for(self.target_model),
+                plan=plan,
+            )
+
+    def replace_layer_plan(self, plan: LayerPlan) -> None:
+        """Draft with another plan from the next round on (eager engines only:
+        a compiled draft graph has its plan baked in)."""
+        from vllm.config import CompilationMode
+
+        if self.vllm_config.compilation_config.mode != CompilationMode.NONE:
+            raise RuntimeError("changing the layer plan needs enforce_eager=True")
+        self.model = self._build_draft(plan)
 
     def propose(
         self,
@@ -122,8 +134,7 @@ class SelfSpecProposer(DraftModelProposer):
             logits = self._draft_step(input_ids, cad, batch_size, step)
             input_ids = logits.argmax(dim=-1)
             drafts[:, step] = torch.where(drafting, input_ids, NO_DRAFT)
-            confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
-            stop = self.stop_after(req_ids, confidence, step)
+            stop = self.stop_after(req_ids, logits, step)
             if stop is not None:
                 drafting &= ~stop
                 if not bool(drafting.any()):

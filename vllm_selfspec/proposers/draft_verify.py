@@ -125,8 +125,11 @@ class DraftVerifyProposer(SelfSpecProposer):
             self._threshold(req_id).update(accepted / drafted, self.options)
 
     def stop_after(
-        self, req_ids: list[str], confidence: torch.Tensor, step: int
-    ) -> torch.Tensor:
+        self, req_ids: list[str], logits: torch.Tensor, step: int
+    ) -> torch.Tensor | None:
+        if not self.options.adaptive_threshold and self.options.threshold == 0.0:
+            return None  # a fixed zero threshold never stops a draft
+        confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
         if step == 0:  # thresholds change only between rounds
             self._round_gammas = torch.tensor(
                 [self._threshold(req_id).gamma for req_id in req_ids],

@@ -1,6 +1,9 @@
-"""Model-time cost of one draft step against one plain decode step.
+"""Worker-side tools for benchmarks and the skip-set search.
 
-Run inside a worker with `LLM.collective_rpc(measure_step_costs)`. Both models
+Engines started with `worker_extension_cls=WORKER_EXTENSION` get these as
+worker methods, called with `LLM.collective_rpc("selfspec_...")`.
+
+`selfspec_step_costs` times one draft step against one plain decode step. Both models
 get the same one-token-per-request batch under a forward context without
 attention metadata (vLLM's profiling mode), so both run every projection, MLP,
 norm and the LM head, and both skip only the attention kernel itself, which at
@@ -34,6 +37,19 @@ def _time_forward(model, vllm_config, batch_size: int, repeats: int) -> float:
     return timings[len(timings) // 2]
 
 
+WORKER_EXTENSION = "vllm_selfspec.workers.profiling.SelfSpecWorkerExtension"
+
+
+class SelfSpecWorkerExtension:
+    """Mixed into vLLM's worker class by `worker_extension_cls`."""
+
+    def selfspec_step_costs(self, batch_size: int = 1, repeats: int = 30) -> dict:
+        return measure_step_costs(self, batch_size, repeats)
+
+    def selfspec_set_skip_set(self, attn_skip: list[int], mlp_skip: list[int]) -> str:
+        return set_skip_set(self, attn_skip, mlp_skip)
+
+
 def measure_step_costs(worker, batch_size: int = 1, repeats: int = 30) -> dict:
     """Median seconds of a plain step and a draft step, and their ratio."""
     runner = worker.model_runner
@@ -48,3 +64,13 @@ def measure_step_costs(worker, batch_size: int = 1, repeats: int = 30) -> dict:
         "fraction_of_sublayers_run": plan.fraction_run,
         "plan": plan.describe(),
     }
+
+
+def set_skip_set(worker, attn_skip: list[int], mlp_skip: list[int]) -> str:
+    """Make the drafter skip these sub-blocks (used by the skip-set search)."""
+    from vllm_selfspec.workers.draft_model import LayerPlan
+
+    drafter = worker.model_runner.drafter
+    plan = LayerPlan.skipping(drafter.model.plan.num_layers, attn_skip, mlp_skip)
+    drafter.replace_layer_plan(plan)
+    return plan.describe()
