@@ -71,6 +71,8 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=80, help="BO steps")
     parser.add_argument("--init-points", type=int, default=12, help="random steps first")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--num-speculative-tokens", type=int, default=12,
+                        help="K, most drafts per round (Draft & Verify's default 12)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -92,7 +94,8 @@ def main() -> None:
               enforce_eager=True, disable_log_stats=False,
               per_request_spec_decode_metrics="summary",
               worker_extension_cls=WORKER_EXTENSION,
-              speculative_config={"method": "draft_verify"})
+              speculative_config={"method": "draft_verify",
+                                  "num_speculative_tokens": args.num_speculative_tokens})
     decode_seconds_per_token(llm, dev_prompts[:1], 8)  # warm-up
 
     history: list[dict] = []
@@ -132,14 +135,19 @@ def main() -> None:
     best = min(history, key=lambda h: h["ms_per_token"])
     config_path = CONFIGS_DIR / f"{args.model}.json"
     config = json.loads(config_path.read_text()) if config_path.exists() else {
+        "model": f"models/{args.model} (scripts/build_model.py {args.model})",
         "num_hidden_layers": num_layers, "methods": {}}
     config["methods"].setdefault("draft_verify", {}).update(
-        attn_skip=best["attn_skip"], mlp_skip=best["mlp_skip"])
+        attn_skip=best["attn_skip"], mlp_skip=best["mlp_skip"],
+        num_speculative_tokens=args.num_speculative_tokens)
+    config["how_made"] = "draft_verify: scripts/search_skip_set.py (see searches)"
     config.setdefault("searches", {})["draft_verify"] = {
         "command": f"python scripts/search_skip_set.py --model {args.model} "
                    f"--iterations {args.iterations} --init-points {args.init_points} "
-                   f"--max-tokens {args.max_tokens} --dtype {args.dtype}",
-        "objective": "measured ms per token, eager engine, 4 held-out dev prompts",
+                   f"--max-tokens {args.max_tokens} --dtype {args.dtype} "
+                   f"--num-speculative-tokens {args.num_speculative_tokens}",
+        "objective": "measured ms per token, eager engine, 4 held-out dev prompts, "
+                     "adaptive exit threshold on",
         "best_ms_per_token": round(best["ms_per_token"], 2),
         "best_acceptance": best["acceptance"],
         "full_depth_ms_per_token": round(full_depth_ms, 2),
