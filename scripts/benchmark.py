@@ -19,21 +19,21 @@ import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from vllm_selfspec import prompts as prompt_sets
 from vllm_selfspec.assets import ROOT
-from vllm_selfspec.config import METHOD_MODULES
+from vllm_selfspec.config import CONFIGS_DIR, METHOD_MODULES
 from vllm_selfspec.workers.profiling import WORKER_EXTENSION
 
 RESULTS = ROOT / "results"
 
 
 def method_configs(model_dir: Path, config_file: str) -> dict[str, dict | None]:
-    return {
+    configs = {
         "plain": None,
         "draft_verify": {"method": "draft_verify", "config_file": config_file},
         "draft_verify_full_depth": {"method": "draft_verify", "num_speculative_tokens": 4,
@@ -43,6 +43,9 @@ def method_configs(model_dir: Path, config_file: str) -> dict[str, dict | None]:
         "draft_model_self": {"method": "draft_model", "model": str(model_dir),
                              "num_speculative_tokens": 4},
     }
+    if (CONFIGS_DIR / "heads" / config_file).exists():  # trained exit heads
+        configs["adadecode"] = {"method": "adadecode", "heads": config_file}
+    return configs
 
 
 @dataclass
@@ -72,16 +75,19 @@ class Run:
         return self.drafted / self.rounds if self.rounds else None
 
 
-def run_engine(run: Run, model_dir: Path, prompts: list[str], args) -> None:
-    from vllm import LLM, SamplingParams
+def start(model_dir: Path, spec: dict | None, args):
+    from vllm import LLM
 
-    spec = run.speculative_config
     extra = {"per_request_spec_decode_metrics": "summary"} if spec else {}
-    started = time.perf_counter()
-    llm = LLM(model=str(model_dir), dtype=args.dtype, max_model_len=2048, seed=0,
-              enforce_eager=args.eager, disable_log_stats=False,
-              worker_extension_cls=WORKER_EXTENSION, speculative_config=spec, **extra)
-    run.startup_s = time.perf_counter() - started
+    return LLM(model=str(model_dir), dtype=args.dtype, max_model_len=2048, seed=0,
+               enforce_eager=args.eager, disable_log_stats=False,
+               worker_extension_cls=WORKER_EXTENSION, speculative_config=spec, **extra)
+
+
+def measure(llm, run: Run, prompts: list[str], args) -> None:
+    """Decode the prompts one at a time, `args.repeats` times, into `run`."""
+    from vllm import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
     for repeat in range(args.repeats):
@@ -101,11 +107,38 @@ def run_engine(run: Run, model_dir: Path, prompts: list[str], args) -> None:
         run.tokens_per_s.append(tokens / seconds)
         run.decode_tokens = tokens
         run.texts = texts
+
+
+def run_engine(run: Run, model_dir: Path, prompts: list[str], args) -> None:
+    started = time.perf_counter()
+    llm = start(model_dir, run.speculative_config, args)
+    run.startup_s = time.perf_counter() - started
+    measure(llm, run, prompts, args)
+    spec = run.speculative_config
     if spec is not None and spec["method"] in METHOD_MODULES:
         run.step_costs = llm.collective_rpc("selfspec_step_costs")[0]
+    shutdown(llm)
+
+
+def shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
+
+
+def threshold_sweep(model_dir: Path, prompts: list[str], plain: Run, args) -> list[dict]:
+    """AdaDecode at each threshold in one engine (the threshold is read every
+    round), against the plain run: the paper's Figure 5."""
+    spec = {"method": "adadecode", "heads": args.model}
+    llm = start(model_dir, spec, args)
+    runs = []
+    for threshold in tqdm(args.threshold_sweep, desc="thresholds"):
+        llm.collective_rpc("selfspec_set_option", args=("threshold", threshold))
+        run = Run(f"adadecode@{threshold}", {**spec, "threshold": threshold})
+        measure(llm, run, prompts, args)
+        runs.append(run)
+    shutdown(llm)
+    return summarize([plain, *runs])[1:]
 
 
 def summarize(runs: list[Run]) -> list[dict]:
@@ -124,6 +157,9 @@ def summarize(runs: list[Run]) -> list[dict]:
             "acceptance": _round(run.acceptance),
             "mean_accepted_length": _round(run.mean_accepted_length),
             "drafts_per_round": _round(run.drafts_per_round),
+            "accepted_token_share": _round(run.accepted / run.decode_tokens
+                                           if run.drafted else None),
+            "rejection_rate": _round(1 - run.acceptance if run.drafted else None),
             "identical_to_plain": f"{sum(a == b for a, b in zip(run.texts, plain.texts))}"
                                   f"/{len(plain.texts)}",
             "startup_s": round(run.startup_s, 1),
@@ -173,6 +209,28 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_sweep(rows: list[dict], path: Path, model: str) -> None:
+    """Speed-up, early-prediction rate and rejection rate against the threshold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    thresholds = [float(r["method"].split("@")[1]) for r in rows]
+    fig, axis = plt.subplots(figsize=(6.5, 4))
+    axis.plot(thresholds, [r["speedup"] for r in rows], "o-", label="speed-up vs plain")
+    axis.plot(thresholds, [r["accepted_token_share"] or 0 for r in rows], "s-",
+              label="early-prediction rate (kept early tokens / tokens)")
+    axis.plot(thresholds, [r["rejection_rate"] or 0 for r in rows], "^-",
+              label="rejection rate (rejected / early tokens)")
+    axis.axhline(1.0, color="grey", lw=0.8)
+    axis.set_xlabel("AdaDecode threshold")
+    axis.set_title(f"{model}: AdaDecode threshold sweep (batch 1)")
+    axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -185,6 +243,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--eager", action="store_true", help="no torch.compile")
     parser.add_argument("--name", help="results file stem")
+    parser.add_argument("--threshold-sweep", type=lambda v: [float(x) for x in v.split(",")],
+                        help="also sweep AdaDecode's threshold, e.g. 0.5,0.6,0.7,0.8,0.9")
     args = parser.parse_args()
     if args.quick:
         args.methods = args.methods or "plain,draft_verify"
@@ -210,22 +270,25 @@ def main() -> None:
 
     rows = summarize(runs)
     name = args.name or f"{args.model}-{args.dtype}{'-quick' if args.quick else ''}"
+    sweep = threshold_sweep(model_dir, prompts, runs[0], args) if args.threshold_sweep else []
     RESULTS.mkdir(exist_ok=True)
     command = "python scripts/benchmark.py " + " ".join(
         a for a in os.sys.argv[1:])
     payload = {"command": command.strip(), "model": args.model, "dtype": args.dtype,
                "eager": args.eager, "prompts": len(prompts), "max_tokens": args.max_tokens,
-               "repeats": args.repeats, "rows": rows,
+               "repeats": args.repeats, "rows": rows, "threshold_sweep": sweep,
                "configs": {r.name: r.speculative_config for r in runs},
                "step_costs": {r.name: r.step_costs for r in runs if r.step_costs}}
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
     plot(rows, RESULTS / f"{name}.png", f"{args.model} ({args.dtype}), {len(prompts)} "
          f"prompts x {args.max_tokens} tokens, batch 1")
+    if sweep:
+        plot_sweep(sweep, RESULTS / f"{name}-adadecode-threshold.png", args.model)
     print(f"\n{args.model} {args.dtype}: decode tokens/s at batch 1 "
           f"({len(prompts)} prompts, {args.max_tokens} new tokens, {args.repeats} repeats)")
     header = ("method", "tok/s", "speed-up", "accept", "mean acc len", "identical", "S*")
     print("{:<24}{:>8}{:>10}{:>8}{:>14}{:>11}{:>8}".format(*header))
-    for row in rows:
+    for row in rows + sweep:
         print("{:<24}{:>8}{:>10}{:>8}{:>14}{:>11}{:>8}".format(
             row["method"], row["tokens_per_s"], f"{row['speedup']:.2f}x",
             _fmt(row["acceptance"]), _fmt(row["mean_accepted_length"]),

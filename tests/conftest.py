@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import gc
 import os
 import shutil
@@ -47,6 +48,48 @@ def gpt2_dir(tmp_path_factory, model_dir) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(model_dir / name, path / name)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, model_dir) -> Path:
+    """A random 3-layer Llama with SmolLM2's tokenizer, for quick training runs."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=2,
+                         vocab_size=49152, max_position_embeddings=2048,
+                         tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(model_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def test_prompts(model_dir) -> list[str]:
+    """24 prompts, 25 to ~600 tokens: code, chat questions, and two long ones
+    that exceed the 128-token budget (chunked prefill)."""
+    from vllm_selfspec import prompts
+
+    mixed = prompts.mixed(22)
+    long_code = "\n".join(prompts.humaneval(12)[8:12])
+    return [*mixed, long_code, long_code + "\n# And a test:\n"]
+
+
+@pytest.fixture(scope="session")
+def plain():
+    """Plain vLLM, the reference every method's outputs are compared with."""
+    llm = start_engine(None)
+    yield llm
+    stop_engine(llm)
+
+
+@pytest.fixture(scope="session")
+def plain_outputs(plain, test_prompts) -> dict[int, list[str]]:
+    return {size: greedy(plain, test_prompts, size) for size in (1, 8)}
 
 
 def start_engine(speculative_config: dict | None = None, **overrides):
@@ -95,3 +138,40 @@ def greedy(llm, prompts: list[str], batch_size: int, max_tokens: int = 48,
             if acceptance is not None:
                 acceptance.add(output)
     return texts
+
+
+def assert_same_sampling_distribution(llm, reference_llm, samples: int = 600) -> None:
+    """Chi-square test of the 2nd and 3rd tokens sampled at temperature 0.8,
+    which speculation produces through draft verification (the 1st comes from
+    the prefill), against an engine without speculation."""
+    from scipy.stats import chi2_contingency
+
+    prompt = "My favourite animal is the"
+    ours = _second_and_third_tokens(llm, prompt, samples)
+    reference = _second_and_third_tokens(reference_llm, prompt, samples)
+    for position in (0, 1):
+        table = _contingency([t[position] for t in ours],
+                             [t[position] for t in reference])
+        assert len(table[0]) >= 3, "prompt too peaked for a meaningful test"
+        p_value = chi2_contingency(table).pvalue
+        assert p_value > 1e-3, f"token {position + 2} distribution differs (p={p_value})"
+
+
+def _second_and_third_tokens(llm, prompt: str, samples: int) -> list[tuple[int, int]]:
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=0.8, max_tokens=3, seed=seed, ignore_eos=True)
+              for seed in range(samples)]
+    outputs = llm.generate([prompt] * samples, params, use_tqdm=False)
+    return [tuple(o.outputs[0].token_ids[1:3]) for o in outputs]
+
+
+def _contingency(first: list[int], second: list[int]) -> list[list[int]]:
+    """Counts per token, tokens rarer than 10 in total merged into one column."""
+    total = collections.Counter(first) + collections.Counter(second)
+    common = [token for token, count in total.items() if count >= 10]
+    rows = []
+    for sample in (first, second):
+        counts = collections.Counter(t if t in common else -1 for t in sample)
+        rows.append([counts[token] for token in [*common, -1]])
+    return rows

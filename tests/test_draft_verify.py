@@ -8,13 +8,15 @@ than 128 tokens prefill in chunks while other requests decode.
 
 from __future__ import annotations
 
-import collections
-
 import pytest
-from scipy.stats import chi2_contingency
 
-from tests.conftest import Acceptance, greedy, start_engine, stop_engine
-from vllm_selfspec import prompts
+from tests.conftest import (
+    Acceptance,
+    assert_same_sampling_distribution,
+    greedy,
+    start_engine,
+    stop_engine,
+)
 
 # A skip set in the spirit of the shipped searched one: drafts are often wrong,
 # so verification rejects and rolls back a lot.
@@ -24,24 +26,10 @@ FULL_DEPTH = {"method": "draft_verify", "num_speculative_tokens": 4,
               "adaptive_threshold": False, "threshold": 0.0}
 
 
-@pytest.fixture(scope="module")
-def test_prompts(model_dir) -> list[str]:
-    # 24 prompts, 25 to ~600 tokens: code, chat questions, and two long ones
-    # that exceed the 128-token budget (chunked prefill).
-    mixed = prompts.mixed(22)
-    long_code = "\n".join(prompts.humaneval(12)[8:12])
-    return [*mixed, long_code, long_code + "\n# And a test:\n"]
-
-
 def _engine(spec):
     llm = start_engine(spec)
     yield llm
     stop_engine(llm)
-
-
-@pytest.fixture(scope="module")
-def plain():
-    yield from _engine(None)
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +40,6 @@ def skipping():
 @pytest.fixture(scope="module")
 def full_depth():
     yield from _engine(FULL_DEPTH)
-
-
-@pytest.fixture(scope="module")
-def plain_outputs(plain, test_prompts):
-    return {size: greedy(plain, test_prompts, size) for size in (1, 8)}
 
 
 @pytest.mark.parametrize("batch_size", [1, 8])
@@ -94,36 +77,5 @@ def test_prefix_cache_hits_keep_outputs(skipping, plain_outputs, test_prompts):
     assert texts[0] == plain_outputs[8][-2] and texts[3] == plain_outputs[8][-1]
 
 
-def _second_and_third_tokens(llm, prompt: str, samples: int) -> list[tuple[int, int]]:
-    from vllm import SamplingParams
-
-    params = [SamplingParams(temperature=0.8, max_tokens=3, seed=seed, ignore_eos=True)
-              for seed in range(samples)]
-    outputs = llm.generate([prompt] * samples, params, use_tqdm=False)
-    return [tuple(o.outputs[0].token_ids[1:3]) for o in outputs]
-
-
 def test_sampling_keeps_the_target_distribution(plain, skipping):
-    """Chi-square test of the 2nd and 3rd sampled tokens, which speculation
-    produces through draft verification (the 1st comes from the prefill)."""
-    prompt = "My favourite animal is the"
-    samples = 600
-    ours = _second_and_third_tokens(skipping, prompt, samples)
-    reference = _second_and_third_tokens(plain, prompt, samples)
-    for position in (0, 1):
-        table = _contingency([t[position] for t in ours],
-                             [t[position] for t in reference])
-        assert len(table[0]) >= 3, "prompt too peaked for a meaningful test"
-        p_value = chi2_contingency(table).pvalue
-        assert p_value > 1e-3, f"token {position + 2} distribution differs (p={p_value})"
-
-
-def _contingency(first: list[int], second: list[int]) -> list[list[int]]:
-    """Counts per token, tokens rarer than 10 in total merged into one column."""
-    total = collections.Counter(first) + collections.Counter(second)
-    common = [token for token, count in total.items() if count >= 10]
-    rows = []
-    for sample in (first, second):
-        counts = collections.Counter(t if t in common else -1 for t in sample)
-        rows.append([counts[token] for token in [*common, -1]])
-    return rows
+    assert_same_sampling_distribution(skipping, plain)

@@ -25,6 +25,7 @@ from vllm.config.utils import config
 # method name -> module that defines its config class and proposer class.
 METHOD_MODULES = {
     "draft_verify": "vllm_selfspec.proposers.draft_verify",
+    "adadecode": "vllm_selfspec.proposers.adadecode",
 }
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"

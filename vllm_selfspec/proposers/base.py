@@ -16,9 +16,11 @@ sampler then treats each draft as one-hot, accepting it with probability
 p_target(draft) and resampling from the renormalised remainder on rejection,
 which keeps the target distribution exactly at any temperature.
 
-Methods state only what differs: the layer plan, and when a request stops
-drafting within a round (`stop_after`, given the step's draft logits), with
-per-request feedback from the previous round (`observe_round`). Stopped requests are padded with NO_DRAFT,
+Methods state only what differs: the draft model (`build_draft`, by default
+the layer plan's sub-blocks), one draft step (`draft_step`, by default the
+newest token through that model), when a request stops drafting within a round
+(`stop_after`, given the step's draft logits), and per-request feedback from the
+previous round (`observe_round`). Stopped requests are padded with NO_DRAFT,
 which the runner hook strips before scheduling.
 """
 
@@ -77,12 +79,15 @@ class SelfSpecProposer(DraftModelProposer):
         self.target_model = target_model
         adapter = adapter_for(target_model)
         layers = adapter.decoder(target_model).layers
-        self.model = self._build_draft(self.layer_plan(len(layers)))
+        self.model = self.build_draft(len(layers))
         # Metadata is built per attention backend, not per layer, so naming
         # every target layer costs nothing and lets any plan run.
         self._draft_attn_layer_names = {
             layer.self_attn.attn.layer_name for layer in layers
         }
+
+    def build_draft(self, num_layers: int) -> nn.Module:
+        return self._build_draft(self.layer_plan(num_layers))
 
     def _build_draft(self, plan: LayerPlan) -> LayerSubsetDraft:
         with set_model_tag("selfspec_draft"):
@@ -128,17 +133,21 @@ class SelfSpecProposer(DraftModelProposer):
             device=self.device,
         )
         drafting = torch.ones(batch_size, dtype=torch.bool, device=self.device)
-        input_ids = next_token_ids
+        # The round's tokens so far: the sampled token, then each step's draft.
+        round_tokens = next_token_ids.view(batch_size, 1)
         for step in range(num_speculative_tokens):
             positions = self._advance(positions, cad, batch_size)
-            logits = self._draft_step(input_ids, cad, batch_size, step)
-            input_ids = logits.argmax(dim=-1)
-            drafts[:, step] = torch.where(drafting, input_ids, NO_DRAFT)
+            logits, is_draft = self.draft_step(round_tokens, positions, cad, step, drafting)
+            token_ids = logits.argmax(dim=-1)
+            round_tokens = torch.cat([round_tokens, token_ids.view(batch_size, 1)], dim=1)
+            if is_draft is not None:
+                drafting &= is_draft
+            drafts[:, step] = torch.where(drafting, token_ids, NO_DRAFT)
             stop = self.stop_after(req_ids, logits, step)
             if stop is not None:
                 drafting &= ~stop
-                if not bool(drafting.any()):
-                    break
+            if (is_draft is not None or stop is not None) and not bool(drafting.any()):
+                break
         self._record_round(req_ids, drafts)
         return drafts
 
@@ -174,17 +183,21 @@ class SelfSpecProposer(DraftModelProposer):
             positions, cad, batch_size, batch_size, self.block_size
         )
 
-    def _draft_step(
+    def draft_step(
         self,
-        input_ids: torch.Tensor,
+        round_tokens: torch.Tensor,
+        positions: torch.Tensor,
         cad: CommonAttentionMetadata,
-        batch_size: int,
         step: int,
-    ) -> torch.Tensor:
+        drafting: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of each request's next draft, and which of them are drafts
+        (None: all). Default: the newest token through the layer plan."""
+        batch_size = round_tokens.shape[0]
         _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(
             cad, draft_index=step
         )
-        self.input_ids[:batch_size] = input_ids
+        self.input_ids[:batch_size] = round_tokens[:, -1]
         with set_forward_context(
             per_layer_metadata,
             self.vllm_config,
@@ -195,7 +208,35 @@ class SelfSpecProposer(DraftModelProposer):
                 input_ids=self.input_ids[:batch_size],
                 positions=self._get_positions(batch_size),
             )
-        return self.model.compute_logits(hidden_states[:batch_size])
+        return self.model.compute_logits(hidden_states[:batch_size]), None
+
+    def window_metadata(
+        self, cad: CommonAttentionMetadata, positions: torch.Tensor, width: int
+    ) -> tuple[CommonAttentionMetadata, torch.Tensor]:
+        """`cad` (one query token per request, at `positions`) widened to the
+        `width` tokens ending there; returns it and their flat positions."""
+        batch_size = positions.shape[0]
+        offsets = torch.arange(1 - width, 1, device=positions.device)
+        window = (positions.view(-1, 1) + offsets).clamp(min=0).view(-1)
+        rows = torch.arange(batch_size, device=positions.device).repeat_interleave(width)
+        blocks = cad.block_table_tensor[rows, window // self.block_size]
+        slots = (blocks.long() * self.block_size + window % self.block_size).view(-1, width)
+        # The newest token's slot as `_advance` set it (padding past max_model_len).
+        slots[:, -1] = cad.slot_mapping[:batch_size]
+        slots = slots.view(-1)
+        starts = self.arange[: batch_size + 1] * width
+        widened = cad.replace(
+            query_start_loc=starts,
+            query_start_loc_cpu=torch.from_numpy(
+                self.token_arange_np[: batch_size + 1] * width),
+            num_actual_tokens=batch_size * width,
+            max_query_len=width,
+            slot_mapping=slots,
+            positions=window,
+            _num_computed_tokens_cache=None,
+            _token_to_req_indices_cache=None,
+        )
+        return widened, window
 
     # --- per-request feedback ------------------------------------------------
     def _feed_back(

@@ -3,8 +3,11 @@
 Engines started with `worker_extension_cls=WORKER_EXTENSION` get these as
 worker methods, called with `LLM.collective_rpc("selfspec_...")`.
 
-`selfspec_step_costs` times one draft step against one plain decode step. Both models
-get the same one-token-per-request batch under a forward context without
+`selfspec_set_skip_set` and `selfspec_set_option` change the running drafter
+(the skip-set search, threshold sweeps).
+
+`selfspec_step_costs` times one draft step against one plain decode step. Both
+models get the same one-token-per-request batch under a forward context without
 attention metadata (vLLM's profiling mode), so both run every projection, MLP,
 norm and the LM head, and both skip only the attention kernel itself, which at
 the short contexts of a decode step is a small share of the time.
@@ -48,6 +51,14 @@ class SelfSpecWorkerExtension:
 
     def selfspec_set_skip_set(self, attn_skip: list[int], mlp_skip: list[int]) -> str:
         return set_skip_set(self, attn_skip, mlp_skip)
+
+    def selfspec_set_option(self, name: str, value) -> None:
+        """Change a method option the drafter reads every round (e.g. AdaDecode's
+        threshold), for sweeps in one engine."""
+        options = self.model_runner.drafter.options
+        if name not in options.own_fields:
+            raise ValueError(f"{name} is not an option of {options.method}")
+        setattr(options, name, value)
 
 
 def measure_step_costs(worker, batch_size: int = 1, repeats: int = 30) -> dict:

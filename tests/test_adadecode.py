@@ -1,0 +1,140 @@
+"""AdaDecode on the real engine: lossless greedy and sampling with the shipped
+SmolLM2 heads, no early exits above threshold 1, 100 % acceptance when the
+only exit is the last layer, bad heads refused at start-up, and a training run
+that lowers held-out KL."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import (
+    Acceptance,
+    assert_same_sampling_distribution,
+    greedy,
+    start_engine,
+    stop_engine,
+)
+from tests.test_config import engine_config
+from vllm_selfspec.assets import ROOT
+from vllm_selfspec.proposers.adadecode import local_final_norm
+from vllm_selfspec.workers.exit_heads import model_identity, save_heads
+
+# A low threshold: many early tokens, many of them wrong, so verification
+# rejects and rolls back often.
+EAGER_EXITS = {"method": "adadecode", "heads": "smollm2-135m", "threshold": 0.4}
+
+
+@pytest.fixture(scope="module")
+def adadecode():
+    llm = start_engine(EAGER_EXITS)
+    yield llm
+    stop_engine(llm)
+
+
+def identity_heads(path, model_dir, exit_layers):
+    """Heads that are the model's own LM head (T = I) at these exit layers."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    identity = model_identity(hf_config, local_final_norm(str(model_dir)))
+    eye = torch.eye(hf_config.hidden_size)
+    save_heads(path, model_dir.name, identity, {e: eye for e in exit_layers})
+    return path
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_greedy_output_identical_to_plain_vllm(adadecode, plain_outputs, test_prompts,
+                                               batch_size):
+    acceptance = Acceptance()
+    outputs = greedy(adadecode, test_prompts, batch_size, acceptance=acceptance)
+    mismatched = [i for i, (a, b) in enumerate(zip(outputs, plain_outputs[batch_size]))
+                  if a != b]
+    assert not mismatched, f"prompts {mismatched} differ from plain vLLM"
+    assert acceptance.drafted > 100
+    assert 0 < acceptance.accepted < acceptance.drafted
+
+
+def test_sampling_keeps_the_target_distribution(adadecode, plain):
+    assert_same_sampling_distribution(adadecode, plain)
+
+
+def test_threshold_above_one_is_plain_decoding(plain_outputs, test_prompts):
+    llm = start_engine({**EAGER_EXITS, "threshold": 1.01})
+    try:
+        acceptance = Acceptance()
+        outputs = greedy(llm, test_prompts[:8], 8, acceptance=acceptance)
+    finally:
+        stop_engine(llm)
+    assert outputs == plain_outputs[8][:8]
+    assert acceptance.drafted == 0
+
+
+def test_exit_at_the_last_layer_is_always_accepted(model_dir, tmp_path, plain_outputs,
+                                                   test_prompts):
+    """The only head is the model's own at layer L: every draft is the target's
+    own token, so any KV or window bug shows up as a rejection."""
+    heads = identity_heads(tmp_path / "last", model_dir, [30])
+    llm = start_engine({"method": "adadecode", "heads": str(heads), "threshold": 0.0})
+    try:
+        acceptance = Acceptance()
+        outputs = greedy(llm, test_prompts, 8, acceptance=acceptance)
+    finally:
+        stop_engine(llm)
+    assert outputs == plain_outputs[8]
+    assert acceptance.drafted >= 900
+    assert acceptance.accepted == acceptance.drafted, acceptance
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        ("missing", r"speculative_config\.heads: no heads at"),
+        ("other_model", r"trained for a model with num_hidden_layers=3"),
+        ("wrong_shape", r"holds exit\.10\.transform with shape \[576, 575\]"),
+        ("other_weights", r"final-norm hash mismatch"),
+        ("bad_layer", r"speculative_config\.exit_layers: \[7\] must be a non-empty subset"),
+    ],
+)
+def test_bad_heads_fail_at_start_up(model_dir, tiny_llama_dir, tmp_path, make, message):
+    spec = {"method": "adadecode", "heads": str(tmp_path / "heads")}
+    if make == "other_model":
+        identity_heads(tmp_path / "heads", tiny_llama_dir, [1, 2])
+    elif make in ("wrong_shape", "other_weights", "bad_layer"):
+        identity_heads(tmp_path / "heads", model_dir, [10])
+    if make == "wrong_shape":
+        from safetensors.torch import save_file
+
+        save_file({"exit.10.transform": torch.zeros(576, 575)},
+                  tmp_path / "heads" / "heads.safetensors")
+    if make == "other_weights":
+        meta_file = tmp_path / "heads" / "heads.json"
+        meta = json.loads(meta_file.read_text())
+        meta["model"]["final_norm_sha256"] = "0" * 64
+        meta_file.write_text(json.dumps(meta))
+    if make == "bad_layer":
+        spec["exit_layers"] = [7]
+    with pytest.raises(ValueError, match=message):
+        engine_config(model_dir, spec)
+
+
+def test_training_lowers_held_out_kl(tiny_llama_dir, tmp_path):
+    out = tmp_path / "heads"
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train_exit_heads.py"),
+         "--model", str(tiny_llama_dir), "--exit-layers", "1,2", "--num-prompts", "4",
+         "--max-tokens", "32", "--epochs", "4", "--batch-tokens", "64",
+         "--held-out", "0.25", "--out", str(out), "--workdir", str(tmp_path / "work")],
+        check=True, cwd=ROOT, timeout=900,
+    )
+    meta = json.loads((out / "heads.json").read_text())
+    for layer in ("1", "2"):
+        result = meta["held_out"][layer]
+        assert result["after"]["kl"] < 0.9 * result["before"]["kl"], result
+    # The trained heads load and decode on the tiny model.
+    spec = {"method": "adadecode", "heads": str(out), "threshold": 0.0}
+    engine_config(tiny_llama_dir, spec)
