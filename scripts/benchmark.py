@@ -45,6 +45,7 @@ def method_configs(model_dir: Path, config_file: str) -> dict[str, dict | None]:
     }
     if (CONFIGS_DIR / "heads" / config_file).exists():  # trained exit heads
         configs["adadecode"] = {"method": "adadecode", "heads": config_file}
+        configs["del"] = {"method": "del", "heads": config_file}
     return configs
 
 
@@ -60,6 +61,17 @@ class Run:
     decode_tokens: int = 0
     startup_s: float = 0.0
     step_costs: dict | None = None
+    generated: int = 0  # first repeat, prefill token included
+    draft_layers: float = 0.0  # first repeat; ours from the drafter's counters
+
+    def tokens_per_loaded_layer(self, num_layers: int) -> float:
+        """eTPL: generated tokens over layers run (each target forward runs all
+        L layers and yields accepted + 1 tokens; plus the draft's layers)."""
+        forwards = self.generated - self.accepted
+        draft_layers = self.draft_layers
+        if self.speculative_config and self.speculative_config["method"] == "draft_model":
+            draft_layers = self.drafted * num_layers
+        return self.generated / (forwards * num_layers + draft_layers)
 
     @property
     def acceptance(self) -> float | None:
@@ -90,6 +102,8 @@ def measure(llm, run: Run, prompts: list[str], args) -> None:
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
+    ours = run.speculative_config and run.speculative_config["method"] in METHOD_MODULES
+    counted = llm.collective_rpc("selfspec_counters")[0] if ours else None
     for repeat in range(args.repeats):
         tokens, seconds = 0, 0.0
         texts = []
@@ -99,11 +113,16 @@ def measure(llm, run: Run, prompts: list[str], args) -> None:
             tokens += stats.num_generation_tokens - 1
             seconds += stats.last_token_ts - stats.first_token_ts
             texts.append(output.outputs[0].text)
+            if repeat == 0:
+                run.generated += stats.num_generation_tokens
             if repeat == 0 and output.outputs[0].spec_decode_metrics is not None:
                 spec_stats = output.outputs[0].spec_decode_metrics
                 run.drafted += spec_stats.num_draft_tokens
                 run.accepted += sum(j * n for j, n in enumerate(spec_stats.histogram))
                 run.rounds += sum(spec_stats.histogram)
+        if repeat == 0 and ours:
+            after = llm.collective_rpc("selfspec_counters")[0]
+            run.draft_layers = after["draft_layers"] - counted["draft_layers"]
         run.tokens_per_s.append(tokens / seconds)
         run.decode_tokens = tokens
         run.texts = texts
@@ -138,10 +157,42 @@ def threshold_sweep(model_dir: Path, prompts: list[str], plain: Run, args) -> li
         measure(llm, run, prompts, args)
         runs.append(run)
     shutdown(llm)
-    return summarize([plain, *runs])[1:]
+    return summarize([plain, *runs], args.num_layers)[1:]
 
 
-def summarize(runs: list[Run]) -> list[dict]:
+def static_exit_grid(model_dir: Path, prompts: list[str], plain: Run, args) -> list[dict]:
+    """DEL's baseline: a fixed exit layer E and draft length gamma (LayerSkip's
+    LS(E-gamma)) for every E of the heads and gamma in args.del_grid, one engine."""
+    spec = {"method": "del", "heads": args.model}
+    llm = start(model_dir, spec, args)
+    runs = []
+    points = [(e, g) for e in args.exit_layers for g in args.del_grid]
+    for exit_layer, length in tqdm(points, desc="static exits"):
+        llm.collective_rpc("selfspec_set_option", args=("exit_layer", exit_layer))
+        llm.collective_rpc("selfspec_set_option", args=("draft_length", length))
+        run = Run(f"static E={exit_layer} g={length}",
+                  {**spec, "exit_layer": exit_layer, "draft_length": length})
+        measure(llm, run, prompts, args)
+        runs.append(run)
+    shutdown(llm)
+    return summarize([plain, *runs], args.num_layers)[1:]
+
+
+def del_trace(model_dir: Path, prompt: str, args) -> list[dict]:
+    """DEL's choice every round for one prompt (the paper's Figure 4)."""
+    from vllm import SamplingParams
+
+    llm = start(model_dir, {"method": "del", "heads": args.model}, args)
+    llm.collective_rpc("selfspec_trace", args=(True,))
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=args.max_tokens * 2),
+                 use_tqdm=False)
+    (trace,) = llm.collective_rpc("selfspec_trace")
+    shutdown(llm)
+    (rounds,) = trace.values()
+    return rounds
+
+
+def summarize(runs: list[Run], num_layers: int) -> list[dict]:
     plain = next(r for r in runs if r.name == "plain")
     base = statistics.mean(plain.tokens_per_s)
     rows = []
@@ -162,6 +213,7 @@ def summarize(runs: list[Run]) -> list[dict]:
             "rejection_rate": _round(1 - run.acceptance if run.drafted else None),
             "identical_to_plain": f"{sum(a == b for a, b in zip(run.texts, plain.texts))}"
                                   f"/{len(plain.texts)}",
+            "eTPL": round(run.tokens_per_loaded_layer(num_layers), 4),
             "startup_s": round(run.startup_s, 1),
         }
         if run.step_costs:
@@ -231,6 +283,28 @@ def plot_sweep(rows: list[dict], path: Path, model: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_del_trace(rounds: list[dict], path: Path, model: str) -> None:
+    """Exit layer, threshold tau and estimated acceptance per round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = range(len(rounds))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+    top.step(steps, [r["exit_layer"] if r["max_drafts"] else 0 for r in rounds],
+             where="post", color="tab:purple")
+    top.set_ylabel("exit layer E\n(0: no draft)")
+    bottom.plot(steps, [r["threshold"] for r in rounds], label="threshold tau_E")
+    bottom.plot(steps, [r["acceptance"] for r in rounds], label="estimated alpha_E")
+    bottom.set_xlabel("speculative round")
+    bottom.set_ylim(0, 1)
+    bottom.legend(fontsize=8)
+    top.set_title(f"{model}: DEL's choices over one request")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -245,6 +319,11 @@ def main() -> None:
     parser.add_argument("--name", help="results file stem")
     parser.add_argument("--threshold-sweep", type=lambda v: [float(x) for x in v.split(",")],
                         help="also sweep AdaDecode's threshold, e.g. 0.5,0.6,0.7,0.8,0.9")
+    parser.add_argument("--del-grid", type=lambda v: [int(x) for x in v.split(",")],
+                        help="also run static early exit at every head layer with these "
+                             "draft lengths, e.g. 1,2,4 (DEL's baseline)")
+    parser.add_argument("--del-trace", action="store_true",
+                        help="also plot DEL's exit layer and threshold over one request")
     args = parser.parse_args()
     if args.quick:
         args.methods = args.methods or "plain,draft_verify"
@@ -255,6 +334,12 @@ def main() -> None:
     if not model_dir.exists():
         raise SystemExit(f"{model_dir} is missing: python scripts/build_model.py {args.model}")
     from transformers import AutoTokenizer
+
+    args.num_layers = json.loads((model_dir / "config.json").read_text())[
+        "num_hidden_layers"]
+    heads_file = CONFIGS_DIR / "heads" / args.model / "heads.json"
+    args.exit_layers = (json.loads(heads_file.read_text())["exit_layers"]
+                        if heads_file.exists() else [])
 
     half = args.num_prompts // 2
     questions = prompt_sets.humaneval(half) + prompt_sets.mtbench(args.num_prompts - half)
@@ -268,15 +353,18 @@ def main() -> None:
     for run in tqdm(runs, desc="engines"):
         run_engine(run, model_dir, prompts, args)
 
-    rows = summarize(runs)
+    rows = summarize(runs, args.num_layers)
     name = args.name or f"{args.model}-{args.dtype}{'-quick' if args.quick else ''}"
     sweep = threshold_sweep(model_dir, prompts, runs[0], args) if args.threshold_sweep else []
+    grid = static_exit_grid(model_dir, prompts, runs[0], args) if args.del_grid else []
+    trace = del_trace(model_dir, prompts[0], args) if args.del_trace else []
     RESULTS.mkdir(exist_ok=True)
     command = "python scripts/benchmark.py " + " ".join(
         a for a in os.sys.argv[1:])
     payload = {"command": command.strip(), "model": args.model, "dtype": args.dtype,
                "eager": args.eager, "prompts": len(prompts), "max_tokens": args.max_tokens,
                "repeats": args.repeats, "rows": rows, "threshold_sweep": sweep,
+               "static_exit_grid": grid, "del_trace": trace,
                "configs": {r.name: r.speculative_config for r in runs},
                "step_costs": {r.name: r.step_costs for r in runs if r.step_costs}}
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
@@ -284,15 +372,19 @@ def main() -> None:
          f"prompts x {args.max_tokens} tokens, batch 1")
     if sweep:
         plot_sweep(sweep, RESULTS / f"{name}-adadecode-threshold.png", args.model)
+    if trace:
+        plot_del_trace(trace, RESULTS / f"{name}-del-trace.png", args.model)
     print(f"\n{args.model} {args.dtype}: decode tokens/s at batch 1 "
           f"({len(prompts)} prompts, {args.max_tokens} new tokens, {args.repeats} repeats)")
-    header = ("method", "tok/s", "speed-up", "accept", "mean acc len", "identical", "S*")
-    print("{:<24}{:>8}{:>10}{:>8}{:>14}{:>11}{:>8}".format(*header))
-    for row in rows + sweep:
-        print("{:<24}{:>8}{:>10}{:>8}{:>14}{:>11}{:>8}".format(
+    header = ("method", "tok/s", "speed-up", "accept", "mean acc len", "identical", "S*",
+              "eTPL")
+    print("{:<24}{:>8}{:>10}{:>8}{:>14}{:>11}{:>8}{:>8}".format(*header))
+    for row in rows + sweep + grid:
+        print("{:<24}{:>8}{:>10}{:>8}{:>14}{:>11}{:>8}{:>8}".format(
             row["method"], row["tokens_per_s"], f"{row['speedup']:.2f}x",
             _fmt(row["acceptance"]), _fmt(row["mean_accepted_length"]),
-            row["identical_to_plain"], _fmt(row.get("ideal_speedup_S*"))))
+            row["identical_to_plain"], _fmt(row.get("ideal_speedup_S*")),
+            f"{row['eTPL']:.4f}"))
     print(f"saved {RESULTS / name}.json and .png")
 
 

@@ -140,15 +140,31 @@ def greedy(llm, prompts: list[str], batch_size: int, max_tokens: int = 48,
     return texts
 
 
+def assert_greedy_parity_with_rejections(llm, plain_outputs, test_prompts,
+                                         batch_size: int) -> None:
+    """Greedy outputs equal plain vLLM's, and the method really drafted and
+    really had drafts rejected (so rollback was exercised)."""
+    acceptance = Acceptance()
+    outputs = greedy(llm, test_prompts, batch_size, acceptance=acceptance)
+    mismatched = [i for i, (a, b) in enumerate(zip(outputs, plain_outputs[batch_size]))
+                  if a != b]
+    assert not mismatched, f"prompts {mismatched} differ from plain vLLM"
+    assert acceptance.drafted > 100
+    assert 0 < acceptance.accepted < acceptance.drafted
+
+
 def assert_same_sampling_distribution(llm, reference_llm, samples: int = 600) -> None:
     """Chi-square test of the 2nd and 3rd tokens sampled at temperature 0.8,
     which speculation produces through draft verification (the 1st comes from
-    the prefill), against an engine without speculation."""
+    the prefill), against an engine without speculation; seeded requests
+    must reproduce."""
     from scipy.stats import chi2_contingency
 
     prompt = "My favourite animal is the"
     ours = _second_and_third_tokens(llm, prompt, samples)
     reference = _second_and_third_tokens(reference_llm, prompt, samples)
+    assert _second_and_third_tokens(llm, prompt, 64) == ours[:64], \
+        "seeded requests did not reproduce"
     for position in (0, 1):
         table = _contingency([t[position] for t in ours],
                              [t[position] for t in reference])

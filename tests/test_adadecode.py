@@ -14,6 +14,7 @@ import torch
 
 from tests.conftest import (
     Acceptance,
+    assert_greedy_parity_with_rejections,
     assert_same_sampling_distribution,
     greedy,
     start_engine,
@@ -21,7 +22,7 @@ from tests.conftest import (
 )
 from tests.test_config import engine_config
 from vllm_selfspec.assets import ROOT
-from vllm_selfspec.proposers.adadecode import local_final_norm
+from vllm_selfspec.proposers.early_exit import local_final_norm
 from vllm_selfspec.workers.exit_heads import model_identity, save_heads
 
 # A low threshold: many early tokens, many of them wrong, so verification
@@ -50,13 +51,7 @@ def identity_heads(path, model_dir, exit_layers):
 @pytest.mark.parametrize("batch_size", [1, 8])
 def test_greedy_output_identical_to_plain_vllm(adadecode, plain_outputs, test_prompts,
                                                batch_size):
-    acceptance = Acceptance()
-    outputs = greedy(adadecode, test_prompts, batch_size, acceptance=acceptance)
-    mismatched = [i for i, (a, b) in enumerate(zip(outputs, plain_outputs[batch_size]))
-                  if a != b]
-    assert not mismatched, f"prompts {mismatched} differ from plain vLLM"
-    assert acceptance.drafted > 100
-    assert 0 < acceptance.accepted < acceptance.drafted
+    assert_greedy_parity_with_rejections(adadecode, plain_outputs, test_prompts, batch_size)
 
 
 def test_sampling_keeps_the_target_distribution(adadecode, plain):

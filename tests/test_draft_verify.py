@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import (
     Acceptance,
+    assert_greedy_parity_with_rejections,
     assert_same_sampling_distribution,
     greedy,
     start_engine,
@@ -45,14 +46,7 @@ def full_depth():
 @pytest.mark.parametrize("batch_size", [1, 8])
 def test_greedy_output_identical_to_plain_vllm(skipping, plain_outputs, test_prompts,
                                                batch_size):
-    acceptance = Acceptance()
-    outputs = greedy(skipping, test_prompts, batch_size, acceptance=acceptance)
-    mismatched = [i for i, (a, b) in enumerate(zip(outputs, plain_outputs[batch_size]))
-                  if a != b]
-    assert not mismatched, f"prompts {mismatched} differ from plain vLLM"
-    # The skip set must really draft, and verification must really reject.
-    assert acceptance.drafted > 100
-    assert 0 < acceptance.accepted < acceptance.drafted
+    assert_greedy_parity_with_rejections(skipping, plain_outputs, test_prompts, batch_size)
 
 
 def test_full_depth_drafts_are_all_accepted(full_depth, plain_outputs, test_prompts):

@@ -1,4 +1,4 @@
-"""`vllm serve` with draft_verify on loopback: the documented command works,
+"""`vllm serve` with each method on loopback: the documented command works,
 answers OpenAI-compatible requests, counts our drafts on /metrics, and survives
 bad requests."""
 
@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 import requests
 
-SPEC = {"method": "draft_verify", "config_file": "smollm2-135m"}
+SPECS = {
+    "draft_verify": {"method": "draft_verify", "config_file": "smollm2-135m"},
+    "adadecode": {"method": "adadecode", "heads": "smollm2-135m", "threshold": 0.5},
+}
 
 
 def _free_port() -> int:
@@ -25,8 +28,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=list(SPECS))
+def server(request, model_dir, tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "serve.log"
     vllm_cli = Path(sys.executable).with_name("vllm")
@@ -34,7 +37,7 @@ def server(model_dir, tmp_path_factory):
         str(vllm_cli), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
         "--block-size", "32", "--max-num-seqs", "8",
-        "--speculative-config", json.dumps(SPEC),
+        "--speculative-config", json.dumps(SPECS[request.param]),
     ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     with log.open("w") as out:

@@ -26,6 +26,7 @@ from vllm.config.utils import config
 METHOD_MODULES = {
     "draft_verify": "vllm_selfspec.proposers.draft_verify",
     "adadecode": "vllm_selfspec.proposers.adadecode",
+    "del": "vllm_selfspec.proposers.dynamic_exit",
 }
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"

@@ -1,6 +1,6 @@
 """Every vLLM symbol the plugin replaces, with the original kept.
 
-Five attributes, each small and named here, are the whole contact surface:
+Six attributes, each small and named here, are the whole contact surface:
 the test `tests/test_patches.py` checks that each target still exists in the
 installed vLLM and that applying twice is refused.
 """
@@ -53,6 +53,14 @@ PATCHES = (
         "vllm.config.vllm", "VllmConfig", "_get_v2_model_runner_unsupported_features",
         "vllm_selfspec.workers.hooks:v2_runner_unsupported_features",
         "keep our methods on the V1 GPU runner, whose proposer hook we use",
+    ),
+    Patch(
+        "vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
+        "_get_eagle3_aux_layers_from_config",
+        "vllm_selfspec.workers.hooks:aux_hidden_state_layers",
+        "let a proposer that reads per-layer hidden states (DEL's shadow tokens) "
+        "name the layers the target returns; vLLM's EAGLE-3 path reads them from a "
+        "draft model's config, which we do not have",
     ),
     Patch(
         "vllm.utils.cpu_triton_utils", "", "_expand_kernel_impl",

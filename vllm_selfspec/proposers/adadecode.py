@@ -24,38 +24,22 @@ renormalised remainder: the target distribution is kept at any temperature
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.nn as nn
-from vllm.compilation.backends import set_model_tag
 from vllm.config.utils import config
 from vllm.forward_context import set_forward_context
 
-from vllm_selfspec.config import CONFIGS_DIR, SelfSpecConfig, SelfSpecConfigError
-from vllm_selfspec.models import adapter_for
-from vllm_selfspec.proposers.base import SelfSpecProposer
-from vllm_selfspec.workers.exit_heads import (
-    ExitDraft,
-    ExitHeads,
-    ExitSegment,
-    HeadsFileError,
-    model_identity,
-)
+from vllm_selfspec.config import SelfSpecConfigError
+from vllm_selfspec.proposers.early_exit import EarlyExitConfig, EarlyExitProposer
 
 
 @config
-class AdaDecodeConfig(SelfSpecConfig):
+class AdaDecodeConfig(EarlyExitConfig):
     method: Literal["adadecode"] = "adadecode"
-    heads: str | None = None
-    """Directory of trained exit heads (heads.json + heads.safetensors), a path
-    or a name under configs/heads/."""
     threshold: float | None = None
     """Emit a token at the first head whose top-1 probability exceeds this
     (default 0.75; above 1 nothing exits early)."""
-    exit_layers: list[int] | None = None
-    """Which of the heads' exit layers to use (default: all)."""
     max_early: int | None = None
     """Most early predictions outstanding, i.e. num_speculative_tokens (default 5)."""
 
@@ -63,12 +47,7 @@ class AdaDecodeConfig(SelfSpecConfig):
     own_fields = ("heads", "threshold", "exit_layers", "max_early")
 
     def validate_method_fields(self) -> None:
-        if self.heads is None:
-            raise SelfSpecConfigError(
-                "speculative_config.heads: adadecode needs trained exit heads; train "
-                "them with scripts/train_exit_heads.py and give their directory."
-            )
-        self.heads = str(resolve_heads(self.heads))
+        self.validate_heads_field()
         if self.threshold is None:
             self.threshold = 0.75
         if self.threshold < 0:
@@ -83,79 +62,12 @@ class AdaDecodeConfig(SelfSpecConfig):
             self.num_speculative_tokens = self.max_early
         self.max_early = self.num_speculative_tokens
 
-    def validate_for_model(self, num_layers: int) -> None:
-        heads = open_heads(self.heads)
-        hf_config = self.target_model_config.hf_config
-        try:
-            heads.check_shapes(hf_config)
-            norm_weight = local_final_norm(self.target_model_config.model)
-            if norm_weight is not None:
-                heads.check_identity(model_identity(hf_config, norm_weight))
-        except HeadsFileError as error:
-            raise SelfSpecConfigError(str(error)) from None
-        if self.exit_layers is None:
-            self.exit_layers = heads.exit_layers
-        unknown = sorted(set(self.exit_layers) - set(heads.exit_layers))
-        if unknown or not self.exit_layers:
-            raise SelfSpecConfigError(
-                f"speculative_config.exit_layers: {self.exit_layers} must be a non-empty "
-                f"subset of the heads' exit layers {heads.exit_layers}."
-            )
-        self.exit_layers = sorted(self.exit_layers)
-
     def method_hash_factors(self) -> list:
         return [self.heads, self.exit_layers]
 
 
-def resolve_heads(location: str) -> Path:
-    path = Path(location)
-    if path.exists():
-        return path.resolve()
-    shipped = CONFIGS_DIR / "heads" / location
-    if shipped.exists():
-        return shipped
-    raise SelfSpecConfigError(
-        f"speculative_config.heads: no heads at '{location}' (nor {shipped}); train "
-        "them with scripts/train_exit_heads.py and give their directory."
-    )
-
-
-def open_heads(location: str) -> ExitHeads:
-    try:
-        return ExitHeads.open(location)
-    except HeadsFileError as error:
-        raise SelfSpecConfigError(str(error)) from None
-
-
-def local_final_norm(model: str) -> torch.Tensor | None:
-    """The final norm's weight, read from a local checkpoint (None if remote)."""
-    from safetensors import safe_open
-
-    for file in sorted(Path(model).glob("*.safetensors")):
-        with safe_open(file, framework="pt") as weights:
-            if "model.norm.weight" in weights.keys():
-                return weights.get_tensor("model.norm.weight")
-    return None
-
-
-class AdaDecodeProposer(SelfSpecProposer):
+class AdaDecodeProposer(EarlyExitProposer):
     options: AdaDecodeConfig
-
-    def build_draft(self, num_layers: int) -> nn.Module:
-        heads = ExitHeads.open(self.options.heads)
-        adapter = adapter_for(self.target_model)
-        decoder = adapter.decoder(self.target_model)
-        hf_config = self.vllm_config.model_config.hf_config
-        heads.check_identity(model_identity(hf_config, decoder.norm.weight))
-        transforms = heads.transforms(self.options.exit_layers)
-        segments, start = [], 0
-        for end in self.options.exit_layers:
-            with set_model_tag(f"selfspec_exit_{end}"):
-                segments.append(ExitSegment(
-                    vllm_config=self.vllm_config, target=self.target_model,
-                    adapter=adapter, start=start, end=end, transform=transforms[end]))
-            start = end
-        return ExitDraft(segments, self.target_model.compute_logits, num_layers)
 
     def draft_step(self, round_tokens, positions, cad, step, drafting):
         batch_size, width = round_tokens.shape
@@ -182,6 +94,7 @@ class AdaDecodeProposer(SelfSpecProposer):
                 exited |= take
                 if bool(exited.all()):
                     break
+        self.counters.add_step(segment.end)
         is_draft = exited & drafting
         return chosen, is_draft
 

@@ -26,6 +26,8 @@ which the runner hook strips before scheduling.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 from vllm.compilation.backends import set_model_tag
@@ -40,6 +42,35 @@ from vllm_selfspec.config import SelfSpecConfig
 from vllm_selfspec.models import adapter_for
 from vllm_selfspec.workers.draft_model import LayerPlan, LayerSubsetDraft
 from vllm_selfspec.workers.hooks import NO_DRAFT
+
+
+@dataclass(frozen=True)
+class VerifiedTokens:
+    """The forward that just ran (a verification, or a prefill chunk), flat
+    over the batch: its input tokens, the hidden states the target returned for
+    the drafter (per-layer states when a method asks for them), each request's
+    next token, the row of each request's last valid token, and where each
+    request's rows start."""
+
+    token_ids: torch.Tensor
+    hidden_states: torch.Tensor
+    next_token_ids: torch.Tensor
+    last_rows: torch.Tensor
+    first_rows: torch.Tensor
+
+
+@dataclass
+class DraftCounters:
+    """Work done since the engine started, for the benchmark's tokens per
+    loaded layer: target forwards (each runs every layer) and draft layers."""
+
+    rounds: int = 0
+    draft_steps: int = 0
+    draft_layers: float = 0.0
+
+    def add_step(self, layers: float) -> None:
+        self.draft_steps += 1
+        self.draft_layers += layers
 
 
 class SelfSpecProposer(DraftModelProposer):
@@ -57,6 +88,7 @@ class SelfSpecProposer(DraftModelProposer):
         self.vocab_mapping = None
         # Drafts each request got last round, to turn rejections into feedback.
         self._drafted_last_round: dict[str, int] = {}
+        self.counters = DraftCounters()
 
     # --- what a method states -------------------------------------------------
     def layer_plan(self, num_layers: int) -> LayerPlan:
@@ -73,6 +105,9 @@ class SelfSpecProposer(DraftModelProposer):
 
     def forget_finished(self, active_req_ids: set[str]) -> None:
         """Drop per-request state of requests no longer in the batch."""
+
+    def begin_round(self, req_ids: list[str], verified: VerifiedTokens) -> None:
+        """Look at the forward that just ran (called before drafting)."""
 
     # --- vLLM's proposer interface -------------------------------------------
     def load_model(self, target_model: nn.Module) -> None:
@@ -126,6 +161,10 @@ class SelfSpecProposer(DraftModelProposer):
         batch_size = common_attn_metadata.batch_size()
         if token_indices_to_sample is None:
             token_indices_to_sample = common_attn_metadata.query_start_loc[1:] - 1
+        self.begin_round(req_ids, VerifiedTokens(
+            target_token_ids, target_hidden_states, next_token_ids,
+            token_indices_to_sample, common_attn_metadata.query_start_loc[:batch_size]))
+        self.counters.rounds += 1
         positions = target_positions[token_indices_to_sample]
         cad = self._decode_metadata(common_attn_metadata, num_rejected_tokens_gpu)
         drafts = torch.full(
@@ -208,6 +247,8 @@ class SelfSpecProposer(DraftModelProposer):
                 input_ids=self.input_ids[:batch_size],
                 positions=self._get_positions(batch_size),
             )
+        plan = self.model.plan
+        self.counters.add_step(plan.fraction_run * plan.num_layers)
         return self.model.compute_logits(hidden_states[:batch_size]), None
 
     def window_metadata(

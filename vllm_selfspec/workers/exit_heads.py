@@ -197,10 +197,14 @@ class ExitSegment(nn.Module):
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
         # A fresh sum: the fused add-norm would overwrite the pair in place.
-        head_input = self.norm(hidden_states + residual)
+        return hidden_states, residual, self.head_input(hidden_states + residual)
+
+    def head_input(self, stream: torch.Tensor) -> torch.Tensor:
+        """The exit head's input for residual-stream states after `end` layers."""
+        head_input = self.norm(stream)
         if self.transform is not None:
             head_input = head_input @ self.transform.t()
-        return hidden_states, residual, head_input
+        return head_input
 
 
 class ExitDraft(nn.Module):

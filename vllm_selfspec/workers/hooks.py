@@ -81,3 +81,13 @@ def v2_runner_unsupported_features(self: Any) -> list[str]:
             "(vllm-selfspec drafts through the V1 runner's proposer hook)"
         )
     return unsupported
+
+
+def aux_hidden_state_layers(self: Any) -> tuple[int, ...] | None:
+    """The layers whose hidden states the target returns to the drafter."""
+    layers = getattr(getattr(self, "drafter", None), "aux_hidden_state_layers", None)
+    if layers is not None:
+        return layers()
+    return original(
+        "vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
+        "_get_eagle3_aux_layers_from_config")(self)

@@ -4,7 +4,8 @@ Engines started with `worker_extension_cls=WORKER_EXTENSION` get these as
 worker methods, called with `LLM.collective_rpc("selfspec_...")`.
 
 `selfspec_set_skip_set` and `selfspec_set_option` change the running drafter
-(the skip-set search, threshold sweeps).
+(the skip-set search, threshold sweeps); `selfspec_trace` and
+`selfspec_counters` read what it did (DEL's choices, layers run).
 
 `selfspec_step_costs` times one draft step against one plain decode step. Both
 models get the same one-token-per-request batch under a forward context without
@@ -59,6 +60,19 @@ class SelfSpecWorkerExtension:
         if name not in options.own_fields:
             raise ValueError(f"{name} is not an option of {options.method}")
         setattr(options, name, value)
+
+    def selfspec_trace(self, start: bool = False) -> dict | None:
+        """The drafter's per-round choices per request (DEL); `start` clears
+        the record and starts recording."""
+        drafter = self.model_runner.drafter
+        if start:
+            drafter.trace = {}
+            return None
+        return drafter.trace
+
+    def selfspec_counters(self) -> dict:
+        """Rounds (target forwards), draft steps and draft layers run so far."""
+        return vars(self.model_runner.drafter.counters).copy()
 
 
 def measure_step_costs(worker, batch_size: int = 1, repeats: int = 30) -> dict:

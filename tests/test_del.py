@@ -1,0 +1,130 @@
+"""DEL on the real engine: lossless greedy and sampling with the shipped SmolLM2
+heads, 100 % acceptance when drafting through all layers, static early exit,
+the exit layer following the content, and bad configs refused at start-up."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import (
+    Acceptance,
+    assert_greedy_parity_with_rejections,
+    assert_same_sampling_distribution,
+    greedy,
+    start_engine,
+    stop_engine,
+)
+from tests.test_config import engine_config
+from vllm_selfspec.workers.profiling import WORKER_EXTENSION
+
+DEL = {"method": "del", "heads": "smollm2-135m"}
+
+
+@pytest.fixture(scope="module")
+def dynamic_exit():
+    llm = start_engine(DEL, worker_extension_cls=WORKER_EXTENSION)
+    yield llm
+    stop_engine(llm)
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_greedy_output_identical_to_plain_vllm(dynamic_exit, plain_outputs, test_prompts,
+                                               batch_size):
+    assert_greedy_parity_with_rejections(dynamic_exit, plain_outputs, test_prompts,
+                                         batch_size)
+
+
+def test_sampling_keeps_the_target_distribution(dynamic_exit, plain):
+    assert_same_sampling_distribution(dynamic_exit, plain)
+
+
+def test_choice_follows_the_content(dynamic_exit):
+    """One request whose text changes kind (code, then a story): the per-layer
+    acceptance estimates move with it, and so does the choice (drafting at an
+    exit layer, or not drafting). On SmolLM2 the exit itself stays at 8 once
+    drafting pays: see the README ("Why the exit layer stays shallow")."""
+    from vllm import SamplingParams
+
+    prompt = ("<|im_start|>user\nWrite a Python function that sorts a list, then "
+              "explain in plain English, as a short story, why sorting matters."
+              "<|im_end|>\n<|im_start|>assistant\n")
+    dynamic_exit.collective_rpc("selfspec_trace", args=(True,))
+    dynamic_exit.generate([prompt], SamplingParams(temperature=0, max_tokens=256),
+                          use_tqdm=False)
+    (trace,) = dynamic_exit.collective_rpc("selfspec_trace")
+    (rounds,) = trace.values()
+    choices = [r["exit_layer"] if r["max_drafts"] else None for r in rounds]
+    assert set(choices) - {None} <= {8, 15, 22}
+    assert len(set(choices)) >= 2, f"the choice never moved: {choices}"
+    estimates = [r["acceptance_per_layer"] for r in rounds[len(rounds) // 10:]]
+    spread = [max(layer) - min(layer) for layer in zip(*estimates)]
+    assert max(spread) > 0.15, spread
+
+
+def test_drafting_through_every_layer_is_always_accepted(plain_outputs, test_prompts):
+    """The model's own head after all 30 layers, 4 drafts a round: every draft is
+    the target's own token, so any KV or metadata bug shows up as a rejection."""
+    llm = start_engine({"method": "del", "exit_layers": [30], "exit_layer": 30,
+                        "draft_length": 4})
+    try:
+        acceptance = Acceptance()
+        outputs = greedy(llm, test_prompts, 8, acceptance=acceptance)
+    finally:
+        stop_engine(llm)
+    assert outputs == plain_outputs[8]
+    assert acceptance.drafted >= 900
+    assert acceptance.accepted == acceptance.drafted, acceptance
+
+
+def test_static_early_exit_is_lossless(plain_outputs, test_prompts):
+    """LayerSkip's fixed exit and length, through the model's own LM head."""
+    llm = start_engine({"method": "del", "exit_layer_stride": 6, "exit_layer": 24,
+                        "draft_length": 3})
+    try:
+        assert_greedy_parity_with_rejections(llm, plain_outputs, test_prompts, 8)
+    finally:
+        stop_engine(llm)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"exit_layers": [0, 12]}, r"exit_layers: \[0, 12\] must be distinct exits in 1\.\.30"),
+        ({"exit_layers": [31]}, r"exit_layers: \[31\] must be distinct"),
+        ({"exit_layer": 30}, r"exit_layer: 30 is not one of the candidate exit layers"),
+        ({"heads": "smollm2-135m", "exit_layer_stride": 2},
+         r"exit_layer_stride: applies only without heads"),
+        ({"draft_length": 40}, r"draft_length: 40 must be in 1\.\.max_draft \(18\)"),
+        ({"decay": 1.5}, r"decay: 1\.5 is outside \(0, 1\]"),
+        ({"heads": "no-such-heads"}, r"heads: no heads at 'no-such-heads'"),
+    ],
+)
+def test_bad_configs_fail_at_start_up(model_dir, spec, message):
+    with pytest.raises(ValueError, match=message):
+        engine_config(model_dir, {"method": "del", **spec})
+
+
+def test_tensor_parallel_ranks_agree(tiny_llama_dir, test_prompts, monkeypatch):
+    """TP=2 (mp backend, one core per rank) on a random 3-layer Llama (SmolLM2's 9
+    heads do not split in two): outputs equal plain vLLM's, and both ranks hold
+    the same statistics and make the same choice for every request every round."""
+    plain = start_engine(None, model=str(tiny_llama_dir))
+    try:
+        expected = greedy(plain, test_prompts[:8], 8)
+    finally:
+        stop_engine(plain)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    spec = {"method": "del", "exit_layer": 2, "draft_length": 3}
+    llm = start_engine(spec, model=str(tiny_llama_dir), tensor_parallel_size=2,
+                       worker_extension_cls=WORKER_EXTENSION)
+    try:
+        llm.collective_rpc("selfspec_trace", args=(True,))
+        acceptance = Acceptance()
+        outputs = greedy(llm, test_prompts[:8], 8, acceptance=acceptance)
+        first, second = llm.collective_rpc("selfspec_trace")
+    finally:
+        stop_engine(llm)
+    assert outputs == expected
+    assert acceptance.drafted > 100
+    assert first == second
+    assert sum(len(rounds) for rounds in first.values()) > 8 * 10

@@ -1,0 +1,80 @@
+"""DEL's arithmetic against values computed by hand from the paper's formulas."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_selfspec.workers.exit_stats import ExitStats, tokens_per_layer
+
+LAYERS = np.array([8, 15, 22])
+
+
+def one_round(decay: float = 0.95) -> ExitStats:
+    """5 valid positions; layers 8/15/22 match 2/3/4 of them."""
+    stats = ExitStats(LAYERS, decay)
+    stats.update(5, np.array([2.0, 3, 4]), np.array([1.8, 2.7, 3.6]),
+                 np.array([0.9, 0.4, 0.1]))
+    return stats
+
+
+def test_acceptance_and_threshold_of_one_round():
+    stats = one_round()
+    assert stats.acceptance() == pytest.approx([0.4, 0.6, 0.8])
+    # tau = (mean matched confidence + mean mismatched confidence) / 2
+    # layer 8: (1.8/2 + 0.9/3)/2 = 0.6; 15: (0.9 + 0.4/2)/2 = 0.55; 22: (0.9 + 0.1)/2
+    assert stats.thresholds() == pytest.approx([0.6, 0.55, 0.5])
+
+
+def test_decayed_sums():
+    stats = one_round(decay=0.5)
+    stats.update(1, np.array([1.0, 0, 1]), np.array([0.5, 0, 0.9]), np.array([0, 0.2, 0]))
+    # S(u) = 0.5*5 + 1 = 3.5; S(c) = [2, 1.5, 3]
+    assert stats.acceptance() == pytest.approx([2 / 3.5, 1.5 / 3.5, 3 / 3.5])
+    # layer 15: S(tcs) = 1.35, S(c) = 1.5; S(fcs) = 0.4, S(u-c) = 2.0
+    assert stats.thresholds()[1] == pytest.approx((1.35 / 1.5 + 0.4 / 2.0) / 2)
+
+
+def test_tokens_per_layer():
+    tpl = tokens_per_layer(np.array([0.4, 0.6, 0.8]), LAYERS, 30, 3)
+    assert tpl[:, 0] == pytest.approx([1 / 30] * 3)  # no drafts: one token, L layers
+    assert tpl[0, 1] == pytest.approx(1.4 / 38)  # (1 + a) / (8 + 30)
+    assert tpl[2, 2] == pytest.approx((1 + 0.8 + 0.64) / (2 * 22 + 30))
+    assert tokens_per_layer(np.array([1.0]), np.array([10]), 30, 4)[0, 4] == (
+        pytest.approx(5 / 70))  # alpha = 1: d + 1 tokens
+
+
+def test_choice_maximises_tokens_per_layer():
+    stats = one_round()
+    # TPL(8, 1) = 1.4/38 = 0.0368 beats TPL(15, 1) = 0.0356, TPL(22, 1) = 0.0346
+    # and every d = 0 (1/30): draft at layer 8, length set by tau (up to d_max).
+    choice = stats.choose(30, 18)
+    assert (choice.exit_layer, choice.max_drafts) == (8, 18)
+    assert choice.threshold == pytest.approx(0.6)
+    assert choice.acceptance == pytest.approx(0.4)
+
+
+def test_fixed_exit_layer_and_length():
+    stats = one_round()
+    choice = stats.choose(30, 18, fixed_exit_layer=22)
+    assert (choice.exit_layer, choice.max_drafts) == (22, 18)  # TPL(22, 1) > 1/30
+    assert choice.threshold == pytest.approx(0.5)
+    # d = 2: layer 8 1.56/46 = 0.0339 > layer 22 2.44/74 = 0.0330 > layer 15
+    static = stats.choose(30, 18, fixed_length=2)
+    assert (static.exit_layer, static.max_drafts, static.threshold) == (8, 2, 0.0)
+
+
+def test_no_drafting_when_no_layer_pays():
+    stats = ExitStats(LAYERS, 0.95)
+    stats.update(4, np.zeros(3), np.zeros(3), np.array([2.0, 2, 2]))
+    choice = stats.choose(30, 18)
+    assert choice.max_drafts == 0
+    assert choice.threshold == pytest.approx(0.25)  # (0 + 2/4) / 2
+
+
+def test_full_agreement_drafts_the_longest():
+    stats = ExitStats(np.array([30]), 0.95)
+    stats.update(3, np.array([3.0]), np.array([2.7]), np.array([0.0]))
+    choice = stats.choose(30, 18)
+    assert (choice.max_drafts, choice.acceptance) == (18, 1.0)
+    assert choice.threshold == pytest.approx(0.45)  # no mismatch seen: (0.9 + 0) / 2

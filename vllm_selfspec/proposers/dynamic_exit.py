@@ -1,0 +1,225 @@
+"""DEL (Zheng et al., 2025): per request, a dynamic exit layer and speculation
+length for early-exit drafting, chosen every round to maximise tokens per
+loaded layer (the arithmetic is in `workers/exit_stats.py`).
+
+Drafts exit after E layers through the exit head at E: the model's own LM
+head (LayerSkip-style models) or trained heads (`heads`, from
+scripts/train_exit_heads.py, for vanilla models). Draft KV of layers < E is
+exact and lands in the target's paged cache; the verification forward
+rewrites every layer there anyway (see the README for why it does not skip
+the layers below E).
+
+Shadow tokens cost no extra forward: the target returns the residual stream
+after each candidate exit layer (vLLM's EAGLE-3 auxiliary hidden states), and
+one LM-head pass per candidate layer over each request's valid positions of the
+forward that just ran (the accepted drafts and the bonus token; at prefill,
+the last `stat_positions` prompt positions) tells which layers would have
+predicted the tokens that followed, and how confidently. The candidate layers
+enter the compile hash: they change the target's graph.
+
+State is per request and fed only from tokens and gathered logits, which are
+identical on every tensor-parallel rank, so every rank makes the same choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from vllm.config.utils import config
+from vllm.forward_context import set_forward_context
+
+from vllm_selfspec.config import SelfSpecConfigError
+from vllm_selfspec.proposers.base import VerifiedTokens
+from vllm_selfspec.proposers.early_exit import EarlyExitConfig, EarlyExitProposer
+from vllm_selfspec.workers.exit_stats import ExitChoice, ExitStats
+
+
+@config
+class DelConfig(EarlyExitConfig):
+    method: Literal["del"] = "del"
+    exit_layer_stride: int | None = None
+    """Without heads: candidate exits every n-th layer, 1..L-1 (default 1, all)."""
+    decay: float | None = None
+    """omega, per-round decay of the statistics (default 0.95)."""
+    max_draft: int | None = None
+    """d_max, the most drafts per round, i.e. num_speculative_tokens (default 18)."""
+    stat_positions: int | None = None
+    """Positions per forward that feed the statistics: at prefill, the last
+    this-many prompt positions (default 32)."""
+    exit_layer: int | None = None
+    """Fix the exit layer (DEL's ablation; default: chosen every round)."""
+    draft_length: int | None = None
+    """Fix the drafts per round and turn the confidence stop off; with
+    exit_layer this is static early-exit drafting, LayerSkip's LS(E-gamma)."""
+
+    heads_required = False
+    default_num_speculative_tokens = 18
+    own_fields = ("heads", "exit_layers", "exit_layer_stride", "decay", "max_draft",
+                  "stat_positions", "exit_layer", "draft_length")
+
+    def validate_method_fields(self) -> None:
+        self.validate_heads_field()
+        if self.exit_layer_stride is not None and (
+                self.heads is not None or self.exit_layers is not None):
+            raise SelfSpecConfigError(
+                "speculative_config.exit_layer_stride: applies only without heads and "
+                "exit_layers; remove it or list the exits in exit_layers.")
+        self.decay = 0.95 if self.decay is None else self.decay
+        if not 0.0 < self.decay <= 1.0:
+            raise SelfSpecConfigError(
+                f"speculative_config.decay: {self.decay} is outside (0, 1]; DEL uses 0.95.")
+        if self.max_draft is not None:
+            self.num_speculative_tokens = self.max_draft
+        self.max_draft = self.num_speculative_tokens
+        self.stat_positions = 32 if self.stat_positions is None else self.stat_positions
+        for name in ("max_draft", "stat_positions", "exit_layer_stride"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise SelfSpecConfigError(
+                    f"speculative_config.{name}: {value} must be >= 1.")
+        if self.draft_length is not None and not 1 <= self.draft_length <= self.max_draft:
+            raise SelfSpecConfigError(
+                f"speculative_config.draft_length: {self.draft_length} must be in "
+                f"1..max_draft ({self.max_draft}).")
+
+    def default_exit_layers(self, num_layers: int) -> list[int]:
+        return list(range(self.exit_layer_stride or 1, num_layers, self.exit_layer_stride or 1))
+
+    def validate_for_model(self, num_layers: int) -> None:
+        super().validate_for_model(num_layers)
+        if self.exit_layer is not None and self.exit_layer not in self.exit_layers:
+            raise SelfSpecConfigError(
+                f"speculative_config.exit_layer: {self.exit_layer} is not one of the "
+                f"candidate exit layers {self.exit_layers}.")
+
+    def method_hash_factors(self) -> list:
+        return [self.heads, self.exit_layers]
+
+
+@dataclass
+class RoundPlan:
+    """Every request's choice for this round, on the host and the device."""
+
+    choices: list[ExitChoice]
+    thresholds: torch.Tensor
+    max_drafts: torch.Tensor
+
+    def exit_layers(self) -> list[int]:
+        return [choice.exit_layer for choice in self.choices]
+
+
+class DelProposer(EarlyExitProposer):
+    options: DelConfig
+
+    def __init__(self, vllm_config, device, runner=None):
+        super().__init__(vllm_config, device, runner=runner)
+        if runner is not None:
+            # The target returns its candidate layers' states for the shadow
+            # tokens; which layers: `aux_hidden_state_layers` (see patches.py).
+            runner.use_aux_hidden_state_outputs = True
+        self.exit_stats: dict[str, ExitStats] = {}
+        self.plan: RoundPlan | None = None
+        self.trace: dict[str, list[dict]] | None = None  # per round, when enabled
+
+    def aux_hidden_state_layers(self) -> tuple[int, ...]:
+        return tuple(self.options.exit_layers)
+
+    # --- statistics -------------------------------------------------------
+    def begin_round(self, req_ids: list[str], verified: VerifiedTokens) -> None:
+        counts = self._shadow_counts(verified).cpu().numpy()
+        layers = np.asarray(self.options.exit_layers)
+        num_layers = self.model.plan.num_layers
+        choices = []
+        for row, req_id in enumerate(req_ids):
+            stats = self.exit_stats.get(req_id)
+            if stats is None:
+                stats = self.exit_stats[req_id] = ExitStats(layers, self.options.decay)
+            valid, matched, matched_conf, mismatched_conf = counts[row]
+            stats.update(valid[0], matched, matched_conf, mismatched_conf)
+            choices.append(stats.choose(num_layers, self.options.max_draft,
+                                        self.options.exit_layer, self.options.draft_length))
+        self.plan = RoundPlan(
+            choices,
+            torch.tensor([c.threshold for c in choices], device=self.device),
+            torch.tensor([c.max_drafts for c in choices], device=self.device),
+        )
+        if self.trace is not None:
+            for req_id, choice in zip(req_ids, choices):
+                self.trace.setdefault(req_id, []).append({
+                    **vars(choice),
+                    "acceptance_per_layer": self.exit_stats[req_id].acceptance().tolist()})
+
+    def _shadow_counts(self, verified: VerifiedTokens) -> torch.Tensor:
+        """[batch, 4, candidates]: valid positions (repeated per candidate),
+        matched shadow tokens, their summed confidence, and the mismatched ones'."""
+        window = self.options.stat_positions
+        batch_size = verified.last_rows.shape[0]
+        offsets = torch.arange(window - 1, -1, -1, device=self.device)
+        rows = verified.last_rows.view(-1, 1) - offsets
+        valid = rows >= verified.first_rows.view(-1, 1)
+        owner = torch.arange(batch_size, device=self.device).view(-1, 1).expand_as(rows)
+        rows, owner = rows[valid], owner[valid]
+        following = torch.where(
+            rows == verified.last_rows[owner], verified.next_token_ids[owner],
+            verified.token_ids[(rows + 1).clamp(max=verified.token_ids.numel() - 1)])
+        num_exits = len(self.options.exit_layers)
+        states = verified.hidden_states[rows].view(rows.numel(), num_exits, -1)
+        matched, confidence = [], []
+        for index, segment in enumerate(self.model.segments):
+            logits = self.model.compute_logits(segment.head_input(states[:, index])).float()
+            top, shadow = logits.max(dim=-1)
+            matched.append(shadow == following)
+            confidence.append(torch.exp(top - torch.logsumexp(logits, dim=-1)))
+        matched_t = torch.stack(matched, dim=1).float()
+        confidence_t = torch.stack(confidence, dim=1)
+        per_row = torch.stack([
+            torch.ones_like(matched_t), matched_t, confidence_t * matched_t,
+            confidence_t * (1 - matched_t)], dim=1)
+        counts = torch.zeros(batch_size, 4, num_exits, device=self.device)
+        return counts.index_add_(0, owner, per_row)
+
+    def forget_finished(self, active_req_ids: set[str]) -> None:
+        for req_id in set(self.exit_stats) - active_req_ids:
+            del self.exit_stats[req_id]
+
+    # --- drafting ---------------------------------------------------------
+    def draft_step(self, round_tokens, positions, cad, step, drafting):
+        batch_size = round_tokens.shape[0]
+        active = drafting & (step < self.plan.max_drafts)
+        exit_layers = self.plan.exit_layers()
+        flags = active.tolist()
+        deepest = max((e for e, on in zip(exit_layers, flags) if on), default=0)
+        if deepest == 0:
+            return torch.zeros(batch_size, 1, device=self.device), active
+        _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(
+            cad, draft_index=step)
+        self.input_ids[:batch_size] = round_tokens[:, -1]
+        chosen = None
+        hidden_states = residual = None
+        with set_forward_context(per_layer_metadata, self.vllm_config,
+                                 num_tokens=batch_size,
+                                 slot_mapping=self._get_slot_mapping(batch_size)):
+            for segment in self.model.segments:
+                if segment.start >= deepest:
+                    break
+                hidden_states, residual, head_input = segment(
+                    self.input_ids[:batch_size], self._get_positions(batch_size),
+                    hidden_states, residual)
+                rows = [r for r, e in enumerate(exit_layers) if e == segment.end]
+                if not rows:
+                    continue
+                index = torch.tensor(rows, device=self.device)
+                logits = self.model.compute_logits(head_input[index])
+                if chosen is None:
+                    chosen = logits.new_zeros(batch_size, logits.shape[-1])
+                chosen[index] = logits
+        self.counters.add_step(deepest)
+        confidence = chosen.float().softmax(dim=-1).amax(dim=-1)
+        return chosen, active & (confidence >= self.plan.thresholds)
+
+
+CONFIG_CLASS = DelConfig
+PROPOSER_CLASS = DelProposer
