@@ -373,7 +373,7 @@ def main() -> None:
     if sweep:
         plot_sweep(sweep, RESULTS / f"{name}-adadecode-threshold.png", args.model)
     if trace:
-        plot_del_trace(trace, RESULTS / f"{name}-del-trace.png", args.model)
+        plot_del_trace(trace, RESULTS / f"{name}-trace.png", args.model)
     print(f"\n{args.model} {args.dtype}: decode tokens/s at batch 1 "
           f"({len(prompts)} prompts, {args.max_tokens} new tokens, {args.repeats} repeats)")
     header = ("method", "tok/s", "speed-up", "accept", "mean acc len", "identical", "S*",

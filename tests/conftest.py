@@ -153,6 +153,16 @@ def assert_greedy_parity_with_rejections(llm, plain_outputs, test_prompts,
     assert 0 < acceptance.accepted < acceptance.drafted
 
 
+def assert_every_draft_accepted(llm, plain_outputs, test_prompts) -> None:
+    """Drafts that are the target's own tokens (full depth) must all be accepted,
+    and the outputs equal plain vLLM's: any KV or metadata bug shows as a rejection."""
+    acceptance = Acceptance()
+    outputs = greedy(llm, test_prompts, 8, acceptance=acceptance)
+    assert outputs == plain_outputs[8]
+    assert acceptance.drafted >= 900
+    assert acceptance.accepted == acceptance.drafted, acceptance
+
+
 def assert_same_sampling_distribution(llm, reference_llm, samples: int = 600) -> None:
     """Chi-square test of the 2nd and 3rd tokens sampled at temperature 0.8,
     which speculation produces through draft verification (the 1st comes from

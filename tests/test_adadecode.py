@@ -14,6 +14,7 @@ import torch
 
 from tests.conftest import (
     Acceptance,
+    assert_every_draft_accepted,
     assert_greedy_parity_with_rejections,
     assert_same_sampling_distribution,
     greedy,
@@ -76,13 +77,9 @@ def test_exit_at_the_last_layer_is_always_accepted(model_dir, tmp_path, plain_ou
     heads = identity_heads(tmp_path / "last", model_dir, [30])
     llm = start_engine({"method": "adadecode", "heads": str(heads), "threshold": 0.0})
     try:
-        acceptance = Acceptance()
-        outputs = greedy(llm, test_prompts, 8, acceptance=acceptance)
+        assert_every_draft_accepted(llm, plain_outputs, test_prompts)
     finally:
         stop_engine(llm)
-    assert outputs == plain_outputs[8]
-    assert acceptance.drafted >= 900
-    assert acceptance.accepted == acceptance.drafted, acceptance
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import pytest
 
 from tests.conftest import (
     Acceptance,
+    assert_every_draft_accepted,
     assert_greedy_parity_with_rejections,
     assert_same_sampling_distribution,
     greedy,
@@ -67,13 +68,9 @@ def test_drafting_through_every_layer_is_always_accepted(plain_outputs, test_pro
     llm = start_engine({"method": "del", "exit_layers": [30], "exit_layer": 30,
                         "draft_length": 4})
     try:
-        acceptance = Acceptance()
-        outputs = greedy(llm, test_prompts, 8, acceptance=acceptance)
+        assert_every_draft_accepted(llm, plain_outputs, test_prompts)
     finally:
         stop_engine(llm)
-    assert outputs == plain_outputs[8]
-    assert acceptance.drafted >= 900
-    assert acceptance.accepted == acceptance.drafted, acceptance
 
 
 def test_static_early_exit_is_lossless(plain_outputs, test_prompts):

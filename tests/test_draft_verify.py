@@ -11,10 +11,9 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import (
-    Acceptance,
+    assert_every_draft_accepted,
     assert_greedy_parity_with_rejections,
     assert_same_sampling_distribution,
-    greedy,
     start_engine,
     stop_engine,
 )
@@ -50,11 +49,7 @@ def test_greedy_output_identical_to_plain_vllm(skipping, plain_outputs, test_pro
 
 
 def test_full_depth_drafts_are_all_accepted(full_depth, plain_outputs, test_prompts):
-    acceptance = Acceptance()
-    outputs = greedy(full_depth, test_prompts, 8, acceptance=acceptance)
-    assert outputs == plain_outputs[8]
-    assert acceptance.drafted >= 900
-    assert acceptance.accepted == acceptance.drafted, acceptance
+    assert_every_draft_accepted(full_depth, plain_outputs, test_prompts)
 
 
 def test_prefix_cache_hits_keep_outputs(skipping, plain_outputs, test_prompts):
