@@ -46,6 +46,7 @@ def method_configs(model_dir: Path, config_file: str) -> dict[str, dict | None]:
     if (CONFIGS_DIR / "heads" / config_file).exists():  # trained exit heads
         configs["adadecode"] = {"method": "adadecode", "heads": config_file}
         configs["del"] = {"method": "del", "heads": config_file}
+    configs["swift"] = {"method": "swift"}
     return configs
 
 
@@ -136,6 +137,8 @@ def run_engine(run: Run, model_dir: Path, prompts: list[str], args) -> None:
     spec = run.speculative_config
     if spec is not None and spec["method"] in METHOD_MODULES:
         run.step_costs = llm.collective_rpc("selfspec_step_costs")[0]
+    if spec is not None and spec["method"] == "del":
+        run.step_costs["exit_costs"] = llm.collective_rpc("selfspec_exit_costs")[0]
     shutdown(llm)
 
 
@@ -176,6 +179,20 @@ def static_exit_grid(model_dir: Path, prompts: list[str], plain: Run, args) -> l
         runs.append(run)
     shutdown(llm)
     return summarize([plain, *runs], args.num_layers)[1:]
+
+
+def del_with_step_overhead(runs: list[Run], model_dir: Path, prompts: list[str],
+                           args) -> Run:
+    """DEL whose TPL counts each forward's fixed cost, given or as measured."""
+    if args.del_step_overhead == "measured":
+        measured = next(r for r in runs if r.name == "del").step_costs["exit_costs"]
+        overhead = round(measured["step_overhead_layers"], 1)
+    else:
+        overhead = float(args.del_step_overhead)
+    run = Run(f"del o={overhead:g}", {"method": "del", "heads": args.model,
+                                     "step_overhead": overhead})
+    run_engine(run, model_dir, prompts, args)
+    return run
 
 
 def del_trace(model_dir: Path, prompt: str, args) -> list[dict]:
@@ -322,6 +339,9 @@ def main() -> None:
     parser.add_argument("--del-grid", type=lambda v: [int(x) for x in v.split(",")],
                         help="also run static early exit at every head layer with these "
                              "draft lengths, e.g. 1,2,4 (DEL's baseline)")
+    parser.add_argument("--del-step-overhead", metavar="LAYERS|measured",
+                        help="also run del with this step_overhead ('measured': the "
+                             "value the del run measured)")
     parser.add_argument("--del-trace", action="store_true",
                         help="also plot DEL's exit layer and threshold over one request")
     args = parser.parse_args()
@@ -352,6 +372,8 @@ def main() -> None:
     runs = [Run(name, configs[name]) for name in chosen]
     for run in tqdm(runs, desc="engines"):
         run_engine(run, model_dir, prompts, args)
+    if args.del_step_overhead:
+        runs.append(del_with_step_overhead(runs, model_dir, prompts, args))
 
     rows = summarize(runs, args.num_layers)
     name = args.name or f"{args.model}-{args.dtype}{'-quick' if args.quick else ''}"

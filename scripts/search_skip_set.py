@@ -49,22 +49,6 @@ def to_skip_sets(point: dict[str, float], num_layers: int) -> tuple[list[int], l
     return attn, mlp
 
 
-def cheap_ucb(seed: int):
-    """UCB (kappa 2.5) whose acquisition optimiser uses fewer random samples and
-    L-BFGS restarts: in 2L = 60 dimensions the default restarts, not the
-    measurements, dominated the search time (24 s per step)."""
-    from bayes_opt import acquisition
-
-    class CheapUCB(acquisition.UpperConfidenceBound):
-        def suggest(self, gp, target_space, n_random=2000, n_smart=2, fit_gp=True,
-                    random_state=None):
-            return super().suggest(gp, target_space, n_random=n_random,
-                                   n_smart=n_smart, fit_gp=fit_gp,
-                                   random_state=random_state)
-
-    return CheapUCB(kappa=2.5, random_state=seed)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -82,6 +66,7 @@ def main() -> None:
     from vllm import LLM
 
     from vllm_selfspec.workers.profiling import WORKER_EXTENSION
+    from vllm_selfspec.workers.skip_search import ucb_acquisition
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     model_dir = ROOT / "models" / args.model
@@ -113,7 +98,7 @@ def main() -> None:
     bounds = {f"{kind}_{i:02d}": (0.0, 1.0) for kind in ("attn", "mlp")
               for i in range(num_layers)}
     optimizer = BayesianOptimization(f=None, pbounds=bounds, random_state=args.seed,
-                                     acquisition_function=cheap_ucb(args.seed),
+                                     acquisition_function=ucb_acquisition(2.5, args.seed),
                                      allow_duplicate_points=True)
     started = time.time()
     total = args.init_points + args.iterations

@@ -93,6 +93,7 @@ def test_static_early_exit_is_lossless(plain_outputs, test_prompts):
          r"exit_layer_stride: applies only without heads"),
         ({"draft_length": 40}, r"draft_length: 40 must be in 1\.\.max_draft \(18\)"),
         ({"decay": 1.5}, r"decay: 1\.5 is outside \(0, 1\]"),
+        ({"step_overhead": -1}, r"step_overhead: -1\.0 must be >= 0"),
         ({"heads": "no-such-heads"}, r"heads: no heads at 'no-such-heads'"),
     ],
 )

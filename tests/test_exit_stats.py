@@ -78,3 +78,27 @@ def test_full_agreement_drafts_the_longest():
     choice = stats.choose(30, 18)
     assert (choice.max_drafts, choice.acceptance) == (18, 1.0)
     assert choice.threshold == pytest.approx(0.45)  # no mismatch seen: (0.9 + 0) / 2
+
+
+def test_step_overhead_counts_a_forward_s_fixed_cost():
+    """o layers per forward: TPL(l, d) = sum alpha^i / (d*(l+o) + L + o)."""
+    tpl = tokens_per_layer(np.array([0.4, 0.8]), np.array([8, 22]), 30, 2, step_overhead=30)
+    assert tpl[0, 0] == pytest.approx(1 / 60)
+    assert tpl[0, 1] == pytest.approx(1.4 / (38 + 60))
+    assert tpl[1, 2] == pytest.approx(2.44 / (2 * 52 + 60))
+
+
+def test_step_overhead_moves_the_choice_deeper():
+    """alpha = 0.5 / 0.6 / 0.9 at layers 8 / 15 / 22. Layers only (o = 0):
+    TPL(8, 1) = 1.5/38 = 0.0395 beats TPL(22, 2) = 2.71/74 = 0.0366. With o = 10
+    a shallow draft pays the fixed cost like a deep one: TPL(8, 1) = 1.5/58 =
+    0.0259 < TPL(22, 1) = 1.9/72 = 0.0264, which also beats 1/40 (no draft)."""
+    stats = ExitStats(LAYERS, 0.95)
+    stats.update(10, np.array([5.0, 6, 9]), np.array([4.0, 5, 8]), np.array([2.0, 2, 0.5]))
+    assert stats.choose(30, 18).exit_layer == 8
+    tpl = tokens_per_layer(stats.acceptance(), LAYERS, 30, 3, step_overhead=10)
+    assert tpl[0, 1] == pytest.approx(1.5 / 58)
+    assert tpl[2, 1] == pytest.approx(1.9 / 72)
+    choice = stats.choose(30, 18, step_overhead=10)
+    assert (choice.exit_layer, choice.max_drafts) == (22, 18)
+    assert stats.choose(30, 18, step_overhead=100).max_drafts == 0  # 1/130 > 1.9/252

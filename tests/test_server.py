@@ -20,6 +20,7 @@ SPECS = {
     "draft_verify": {"method": "draft_verify", "config_file": "smollm2-135m"},
     "adadecode": {"method": "adadecode", "heads": "smollm2-135m", "threshold": 0.5},
     "del": {"method": "del", "heads": "smollm2-135m"},
+    "swift": {"method": "swift", "context_window": 8},
 }
 
 
@@ -75,7 +76,7 @@ def _spec_counter(url: str, name: str) -> float:
 def test_completion_and_chat(server, model_dir):
     completion = requests.post(f"{server}/v1/completions", json={
         "model": str(model_dir), "prompt": "def fibonacci(n):", "max_tokens": 32,
-        "temperature": 0}, timeout=120).json()
+        "temperature": 0, "vllm_xargs": {"selfspec_task": "code"}}, timeout=120).json()
     assert len(completion["choices"][0]["text"]) > 10
     assert completion["usage"]["completion_tokens"] == 32
     chat = requests.post(f"{server}/v1/chat/completions", json={

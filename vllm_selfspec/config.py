@@ -27,6 +27,7 @@ METHOD_MODULES = {
     "draft_verify": "vllm_selfspec.proposers.draft_verify",
     "adadecode": "vllm_selfspec.proposers.adadecode",
     "del": "vllm_selfspec.proposers.dynamic_exit",
+    "swift": "vllm_selfspec.proposers.swift",
 }
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"

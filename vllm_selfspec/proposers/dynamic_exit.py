@@ -49,6 +49,10 @@ class DelConfig(EarlyExitConfig):
     stat_positions: int | None = None
     """Positions per forward that feed the statistics: at prefill, the last
     this-many prompt positions (default 32)."""
+    step_overhead: float | None = None
+    """A forward's fixed cost (LM head, sampling, engine) in decoder layers,
+    added to every draft step and to the verification in TPL's cost (default 0:
+    the paper's layer count). `scripts/benchmark.py` prints a measured value."""
     exit_layer: int | None = None
     """Fix the exit layer (DEL's ablation; default: chosen every round)."""
     draft_length: int | None = None
@@ -58,7 +62,7 @@ class DelConfig(EarlyExitConfig):
     heads_required = False
     default_num_speculative_tokens = 18
     own_fields = ("heads", "exit_layers", "exit_layer_stride", "decay", "max_draft",
-                  "stat_positions", "exit_layer", "draft_length")
+                  "stat_positions", "step_overhead", "exit_layer", "draft_length")
 
     def validate_method_fields(self) -> None:
         self.validate_heads_field()
@@ -75,6 +79,11 @@ class DelConfig(EarlyExitConfig):
             self.num_speculative_tokens = self.max_draft
         self.max_draft = self.num_speculative_tokens
         self.stat_positions = 32 if self.stat_positions is None else self.stat_positions
+        self.step_overhead = 0.0 if self.step_overhead is None else float(self.step_overhead)
+        if self.step_overhead < 0:
+            raise SelfSpecConfigError(
+                f"speculative_config.step_overhead: {self.step_overhead} must be >= 0 "
+                "(decoder layers' worth of fixed cost per forward).")
         for name in ("max_draft", "stat_positions", "exit_layer_stride"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -140,7 +149,8 @@ class DelProposer(EarlyExitProposer):
             valid, matched, matched_conf, mismatched_conf = counts[row]
             stats.update(valid[0], matched, matched_conf, mismatched_conf)
             choices.append(stats.choose(num_layers, self.options.max_draft,
-                                        self.options.exit_layer, self.options.draft_length))
+                                        self.options.exit_layer, self.options.draft_length,
+                                        self.options.step_overhead))
         self.plan = RoundPlan(
             choices,
             torch.tensor([c.threshold for c in choices], device=self.device),

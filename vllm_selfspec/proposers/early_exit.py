@@ -20,6 +20,7 @@ from vllm.config.utils import config
 from vllm_selfspec.config import CONFIGS_DIR, SelfSpecConfig, SelfSpecConfigError
 from vllm_selfspec.models import adapter_for
 from vllm_selfspec.proposers.base import SelfSpecProposer
+from vllm_selfspec.workers.draft_model import key_compile_cache
 from vllm_selfspec.workers.exit_heads import (
     ExitDraft,
     ExitHeads,
@@ -136,8 +137,10 @@ class EarlyExitProposer(SelfSpecProposer):
         segments, start = [], 0
         for end in self.options.exit_layers:
             with set_model_tag(f"selfspec_exit_{end}"):
-                segments.append(ExitSegment(
+                segment = ExitSegment(
                     vllm_config=self.vllm_config, target=self.target_model,
-                    adapter=adapter, start=start, end=end, transform=transforms[end]))
+                    adapter=adapter, start=start, end=end, transform=transforms[end])
+            key_compile_cache(segment, f"exit_{start}_{end}")
+            segments.append(segment)
             start = end
         return ExitDraft(segments, self.target_model.compute_logits, num_layers)

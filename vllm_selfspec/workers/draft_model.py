@@ -10,6 +10,7 @@ model: the draft step pays for the layers it runs, not for Python per layer.
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -48,6 +49,12 @@ class LayerPlan:
     def fraction_run(self) -> float:
         """Share of sub-blocks run, counting attention and MLP alike."""
         return (sum(self.attention) + sum(self.mlp)) / (2 * self.num_layers)
+
+    def digest(self) -> str:
+        """Short stable name of the plan (for compile-cache tags)."""
+        import hashlib
+
+        return hashlib.sha256(repr((self.attention, self.mlp)).encode()).hexdigest()[:12]
 
     def describe(self) -> str:
         skipped_attn = [i for i, runs in enumerate(self.attention) if not runs]
@@ -92,20 +99,63 @@ class LayerSubsetDraft(nn.Module):
         hidden_states = (
             inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
         )
-        residual = None
-        for index, layer in enumerate(self.layers):
-            hidden_states, residual = self._run_layer(
-                layer,
-                positions,
-                hidden_states,
-                residual,
-                self.plan.attention[index],
-                self.plan.mlp[index],
-            )
-        if residual is None:
-            return self.norm(hidden_states)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        return _run_plan(self.layers, self.norm, self._run_layer, self.plan, hidden_states,
+                         positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self._compute_logits(hidden_states)
+
+
+class EagerPlanDraft(nn.Module):
+    """The same draft as `LayerSubsetDraft`, uncompiled: for plans chosen while
+    serving (SWIFT's candidates and learned sets, the skip-set search)."""
+
+    def __init__(self, target: nn.Module, adapter: ModuleType, plan: LayerPlan) -> None:
+        super().__init__()
+        self.decoder = adapter.decoder(target)
+        self.plan = plan
+        self._run_layer = adapter.run_layer
+        self._compute_logits = target.compute_logits
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        hidden_states = (
+            inputs_embeds if inputs_embeds is not None else self.decoder.embed_tokens(input_ids)
+        )
+        return _run_plan(self.decoder.layers, self.decoder.norm, self._run_layer, self.plan,
+                         hidden_states, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self._compute_logits(hidden_states)
+
+
+def _run_plan(layers, norm, run_layer, plan: LayerPlan, hidden_states: torch.Tensor,
+              positions: torch.Tensor) -> torch.Tensor:
+    residual = None
+    for index, layer in enumerate(layers):
+        hidden_states, residual = run_layer(layer, positions, hidden_states, residual,
+                                            plan.attention[index], plan.mlp[index])
+    if residual is None:
+        return norm(hidden_states)
+    hidden_states, _ = norm(hidden_states, residual)
+    return hidden_states
+
+
+def key_compile_cache(module: nn.Module, key: str) -> None:
+    """vLLM's AOT compile cache (VLLM_USE_AOT_COMPILE, on by default) files a
+    compiled graph under the config's hash and the forward's qualified name,
+    not the model tag: instances of one class running different layers (exit
+    segments, draft plans) would share one file and could load each other's
+    graph. The forward that key is taken from gets a name carrying `key`; it
+    runs the same code, and the compiled callable was captured before. Call it
+    on a constructed module (the decorator's set-up runs after `__init__`)."""
+    from vllm import envs
+
+    if not envs.VLLM_USE_AOT_COMPILE or getattr(module, "do_not_compile", True):
+        return
+    function = type(module).forward
+    named = types.FunctionType(function.__code__, function.__globals__, function.__name__,
+                               function.__defaults__, function.__closure__)
+    named.__kwdefaults__ = function.__kwdefaults__
+    named.__qualname__ = f"{function.__qualname__}[{key}]"
+    module.forward = types.MethodType(named, module)

@@ -5,12 +5,13 @@ position of the round (the token layer l would have drafted there) and its
 confidence. With S(a) = sum_i w^(r-i-1) a[i], a sum decayed by w per round:
 
     alpha_l = S(c_l) / S(u)                       matched share of valid positions
-    TPL(l, d) = sum_{i<=d} alpha_l^i / (d*l + L)   expected tokens per loaded layer
+    TPL(l, d) = sum_{i<=d} alpha_l^i / (d*(l+o) + L + o)   tokens per loaded layer
     tau_l = (S(tcs_l)/S(c_l) + S(fcs_l)/S(u - c_l)) / 2
 
 u: valid positions of the round, c_l: those where layer l's shadow token equals
 the token that followed, tcs_l / fcs_l: summed confidence of matched /
-mismatched shadow tokens. The next round drafts with the (E, gamma) that
+mismatched shadow tokens, o: a forward's fixed cost (LM head, sampling,
+engine) in layers; the paper counts layers only (o = 0). The next round drafts with the (E, gamma) that
 maximises TPL; a draft stops when its confidence at E falls below tau_E.
 A mean with no observations yet counts as 0 in tau (no mismatches seen: any
 confidence above half the matched mean may draft).
@@ -24,13 +25,15 @@ import numpy as np
 
 
 def tokens_per_layer(
-    acceptance: np.ndarray, exit_layers: np.ndarray, num_layers: int, max_length: int
+    acceptance: np.ndarray, exit_layers: np.ndarray, num_layers: int, max_length: int,
+    step_overhead: float = 0.0,
 ) -> np.ndarray:
     """TPL[l, d] for each candidate layer and speculation length d = 0..max_length."""
     lengths = np.arange(max_length + 1)
     powers = acceptance[:, None] ** np.arange(max_length + 1)[None, :]
     expected_tokens = np.cumsum(powers, axis=1)  # sum_{i<=d} alpha^i, exact at alpha=1
-    loaded_layers = lengths[None, :] * exit_layers[:, None] + num_layers
+    draft_step = exit_layers[:, None] + step_overhead
+    loaded_layers = lengths[None, :] * draft_step + num_layers + step_overhead
     return expected_tokens / loaded_layers
 
 
@@ -95,10 +98,12 @@ class ExitStats:
         max_length: int,
         fixed_exit_layer: int | None = None,
         fixed_length: int | None = None,
+        step_overhead: float = 0.0,
     ) -> ExitChoice:
         """argmax TPL(l, d); a fixed layer or length restricts the search to it
         (a fixed length also turns the confidence threshold off: static drafting)."""
-        tpl = tokens_per_layer(self.acceptance(), self.exit_layers, num_layers, max_length)
+        tpl = tokens_per_layer(self.acceptance(), self.exit_layers, num_layers, max_length,
+                               step_overhead)
         if fixed_exit_layer is not None:
             keep = self.exit_layers == fixed_exit_layer
             tpl = np.where(keep[:, None], tpl, -1.0)

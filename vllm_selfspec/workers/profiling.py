@@ -7,6 +7,7 @@ worker methods, called with `LLM.collective_rpc("selfspec_...")`.
 (the skip-set search, threshold sweeps); `selfspec_trace` and
 `selfspec_counters` read what it did (DEL's choices, layers run).
 
+`selfspec_exit_costs` times early-exit draft steps at each exit layer.
 `selfspec_step_costs` times one draft step against one plain decode step. Both
 models get the same one-token-per-request batch under a forward context without
 attention metadata (vLLM's profiling mode), so both run every projection, MLP,
@@ -17,28 +18,70 @@ the short contexts of a decode step is a small share of the time.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import torch
 
 
-def _time_forward(model, vllm_config, batch_size: int, repeats: int) -> float:
+def _median_seconds(step: Callable[[], Any], vllm_config, batch_size: int,
+                    repeats: int) -> float:
+    """Median time of `step` (after two warm-up calls) in profiling mode."""
     from vllm.forward_context import set_forward_context
 
-    input_ids = torch.zeros(batch_size, dtype=torch.int32)
-    positions = torch.zeros(batch_size, dtype=torch.int64)
-    kwargs: dict[str, Any] = {"input_ids": input_ids, "positions": positions}
     timings = []
-    for _ in range(repeats + 2):  # two warm-up calls
+    for _ in range(repeats + 2):
         start = time.perf_counter()
         with set_forward_context(None, vllm_config, num_tokens=batch_size):
-            hidden = model(**kwargs)
-            if isinstance(hidden, tuple):
-                hidden = hidden[0]
-            model.compute_logits(hidden)
+            step()
         timings.append(time.perf_counter() - start)
     timings = sorted(timings[2:])
     return timings[len(timings) // 2]
+
+
+def _time_forward(model, vllm_config, batch_size: int, repeats: int) -> float:
+    input_ids = torch.zeros(batch_size, dtype=torch.int32)
+    positions = torch.zeros(batch_size, dtype=torch.int64)
+
+    def step() -> None:
+        hidden = model(input_ids=input_ids, positions=positions)
+        if isinstance(hidden, tuple):
+            hidden = hidden[0]
+        model.compute_logits(hidden)
+
+    return _median_seconds(step, vllm_config, batch_size, repeats)
+
+
+def measure_exit_costs(worker, batch_size: int = 1, repeats: int = 30) -> dict:
+    """Early-exit drafts: seconds of a draft step exiting at each exit layer E
+    (segments up to E and the LM head). A line through them, T(E) = t*(E + o),
+    gives a layer's time t and a step's fixed cost o in layers: DEL's
+    `step_overhead`."""
+    runner = worker.model_runner
+    model = runner.drafter.model
+    input_ids = torch.zeros(batch_size, dtype=torch.int32)
+    positions = torch.zeros(batch_size, dtype=torch.int64)
+
+    def exit_step(depth: int) -> None:
+        hidden_states = residual = head_input = None
+        for segment in model.segments[:depth]:
+            hidden_states, residual, head_input = segment(
+                input_ids, positions, hidden_states, residual)
+        model.compute_logits(head_input)
+
+    seconds = {segment.end: _median_seconds(lambda d=depth: exit_step(d), runner.vllm_config,
+                                            batch_size, repeats)
+               for depth, segment in enumerate(model.segments, start=1)}
+    plain = _time_forward(runner.model, runner.vllm_config, batch_size, repeats)
+    exits = np.array(list(seconds), dtype=float)
+    times = np.array(list(seconds.values()))
+    if len(exits) > 1:
+        layer_s, fixed_s = np.polyfit(exits, times, 1)
+    else:  # one exit: the plain step's layers give the second point
+        layer_s = (plain - times[0]) / (model.plan.num_layers - exits[0])
+        fixed_s = times[0] - layer_s * exits[0]
+    return {"exit_step_s": seconds, "plain_step_s": plain, "layer_s": float(layer_s),
+            "step_overhead_layers": float(fixed_s / layer_s)}
 
 
 WORKER_EXTENSION = "vllm_selfspec.workers.profiling.SelfSpecWorkerExtension"
@@ -49,6 +92,9 @@ class SelfSpecWorkerExtension:
 
     def selfspec_step_costs(self, batch_size: int = 1, repeats: int = 30) -> dict:
         return measure_step_costs(self, batch_size, repeats)
+
+    def selfspec_exit_costs(self, batch_size: int = 1, repeats: int = 30) -> dict:
+        return measure_exit_costs(self, batch_size, repeats)
 
     def selfspec_set_skip_set(self, attn_skip: list[int], mlp_skip: list[int]) -> str:
         return set_skip_set(self, attn_skip, mlp_skip)
@@ -69,6 +115,11 @@ class SelfSpecWorkerExtension:
             drafter.trace = {}
             return None
         return drafter.trace
+
+    def selfspec_search(self) -> dict:
+        """SWIFT: each task's skip-set search, the set drafting now, and the
+        seconds spent optimising."""
+        return self.model_runner.drafter.search_report()
 
     def selfspec_counters(self) -> dict:
         """Rounds (target forwards), draft steps and draft layers run so far."""

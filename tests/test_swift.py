@@ -1,0 +1,123 @@
+"""SWIFT on the real engine: lossless while the skip set is searched and
+switched mid-request, a learned set that matches the target better than the
+uniform one on the same windows, per-task searches, the learned set exported
+for draft_verify, tensor-parallel ranks that agree, and bad configs refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import (
+    Acceptance,
+    assert_greedy_parity_with_rejections,
+    greedy,
+    start_engine,
+    stop_engine,
+)
+from tests.test_config import engine_config
+from vllm_selfspec.workers.profiling import WORKER_EXTENSION
+
+# A short window and quick stop so the search runs, and switches the drafting
+# set, inside the 48-token test requests.
+SEARCHING = {"method": "swift", "context_window": 8, "bayes_interval": 5,
+             "max_iterations": 400}
+
+
+@pytest.fixture(scope="module")
+def swift(tmp_path_factory):
+    export_dir = tmp_path_factory.mktemp("swift-export")
+    llm = start_engine({**SEARCHING, "export_dir": str(export_dir)},
+                       worker_extension_cls=WORKER_EXTENSION)
+    llm.export_dir = export_dir
+    yield llm
+    stop_engine(llm)
+
+
+def search_report(llm) -> dict:
+    (report,) = llm.collective_rpc("selfspec_search")
+    return report
+
+
+@pytest.mark.parametrize("batch_size", [8, 1])  # the search still runs in the second
+def test_greedy_output_identical_to_plain_vllm(swift, plain_outputs, test_prompts,
+                                               batch_size):
+    before = search_report(swift)["tasks"].get("default", {}).get("iterations", 0)
+    assert_greedy_parity_with_rejections(swift, plain_outputs, test_prompts, batch_size)
+    report = search_report(swift)["tasks"]["default"]
+    assert report["iterations"] > before, "the search did not run during the requests"
+
+
+def test_search_learns_a_better_set_and_exports_it(swift, test_prompts, model_dir):
+    """By the end of the search the incumbent predicts the target's next
+    tokens better than the uniform set on the same windows, the engine drafts
+    with it, and it is written as a draft_verify config."""
+    while not search_report(swift)["tasks"]["default"]["done"]:
+        greedy(swift, test_prompts[:8], 8)
+    report = search_report(swift)
+    search = report["tasks"]["default"]
+    assert search["iterations"] <= SEARCHING["max_iterations"]
+    late = search["windows"][-3:]
+    assert sum(w["incumbent"] for w in late) > sum(w["uniform"] for w in late), late
+    assert report["drafting"] == {"attn_skip": search["attn_skip"],
+                                  "mlp_skip": search["mlp_skip"]}
+    exported = swift.export_dir / "default.json"
+    assert json.loads(exported.read_text())["how_made"].startswith("SWIFT")
+    spec = engine_config(model_dir, {"method": "draft_verify",
+                                     "config_file": str(exported)}).speculative_config
+    assert (spec.attn_skip, spec.mlp_skip) == (search["attn_skip"], search["mlp_skip"])
+
+
+def test_tasks_search_separately(swift, test_prompts):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True,
+                            extra_args={"selfspec_task": "prose"})
+    swift.generate(test_prompts[:2], params, use_tqdm=False)
+    tasks = search_report(swift)["tasks"]
+    assert tasks["prose"]["iterations"] > 0
+    assert not tasks["prose"]["done"]
+
+
+def test_tensor_parallel_ranks_agree(tiny_llama_dir, test_prompts, monkeypatch):
+    """TP=2 (mp backend) on a random 3-layer Llama: outputs equal plain vLLM's
+    and both ranks hold the same search and draft with the same set."""
+    plain = start_engine(None, model=str(tiny_llama_dir))
+    try:
+        expected = greedy(plain, test_prompts[:8], 8)
+    finally:
+        stop_engine(plain)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    spec = {"method": "swift", "context_window": 8, "skip_ratio": 0.5, "confidence": 0.0,
+            "num_speculative_tokens": 3}
+    llm = start_engine(spec, model=str(tiny_llama_dir), tensor_parallel_size=2,
+                       worker_extension_cls=WORKER_EXTENSION)
+    try:
+        acceptance = Acceptance()
+        outputs = greedy(llm, test_prompts[:8], 8, acceptance=acceptance)
+        first, second = llm.collective_rpc("selfspec_search")
+    finally:
+        stop_engine(llm)
+    assert outputs == expected
+    assert acceptance.drafted > 100
+    for report in (first, second):
+        report.pop("optimise_seconds")
+    assert first == second
+    assert first["tasks"]["default"]["iterations"] > 10
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"skip_ratio": 1.5}, r"skip_ratio: 1\.5 is outside \[0, 1\]"),
+        ({"skip_ratio": 0.01}, r"skip_ratio: 0\.01 of the 56 skippable sub-blocks"),
+        ({"context_window": 0}, r"context_window: 0 must be >= 1"),
+        ({"confidence": 2}, r"confidence: 2\.0 is outside \[0, 1\]"),
+        ({"bayes_interval": -1}, r"bayes_interval: -1 must be >= 0"),
+        ({"skip_set": [1]}, r"unknown key\(s\) \['skip_set'\]"),
+    ],
+)
+def test_bad_configs_fail_at_start_up(model_dir, spec, message):
+    with pytest.raises(ValueError, match=message):
+        engine_config(model_dir, {"method": "swift", **spec})

@@ -1,0 +1,281 @@
+"""SWIFT (Xia et al., ICLR 2025): a skip set learned while serving, and
+confidence-aware drafting.
+
+The engine starts drafting with a uniform skip set at `skip_ratio`. Once a
+request of a task has generated `context_window` + 1 tokens, each engine step
+(every `optimise_every`-th) scores one candidate skip set by its matchness on
+that window: how many of the window's next tokens the candidate's draft
+predicts, in one read-only forward of the window over the target's own paged
+KV (the window's tokens attend to the target's K/V; nothing is written). The
+search (`workers/skip_search.py`) keeps the best set and stops at high
+matchness or when it stalls; its cost is one W-token forward per step while it
+runs and nothing after.
+
+State is per task: a request names its task in `SamplingParams.extra_args`
+(`{"selfspec_task": "code"}`, `vllm_xargs` over HTTP); requests without one
+share the task "default". A round drafts with the skip set of the task most of
+its requests belong to. Eager engines draft with each new incumbent at once;
+compiled engines keep the uniform set's compiled graph while a task's search
+runs and draft its final set, uncompiled, once the search ends (compiling a
+graph while serving crashed vLLM-CPU; `export_dir` writes the set for a
+compiled restart).
+
+Drafting stops after a token whose top-1 probability is below `confidence`,
+at most `num_speculative_tokens` (25) a round. Verification is vLLM's chain
+rejection sampler; why there is no token tree is in docs/swift-design.md.
+
+On tensor-parallel ranks the candidate comes from rank 0 and every rank takes
+rank 0's scores, so all ranks hold the same search and draft the same set.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Literal
+
+import torch
+from vllm.config.utils import config
+from vllm.forward_context import set_forward_context
+
+from vllm_selfspec.config import SelfSpecConfig, SelfSpecConfigError
+from vllm_selfspec.proposers.base import SelfSpecProposer, VerifiedTokens
+from vllm_selfspec.models import adapter_for
+from vllm_selfspec.workers.draft_model import EagerPlanDraft, LayerPlan
+from vllm_selfspec.workers.skip_search import (
+    SearchSettings,
+    SkipSet,
+    SkipSetSearch,
+    skip_count,
+)
+
+TASK_KEY = "selfspec_task"
+DEFAULT_TASK = "default"
+
+
+@config
+class SwiftConfig(SelfSpecConfig):
+    method: Literal["swift"] = "swift"
+    skip_ratio: float | None = None
+    """r: the share of layers 1..L-2's attention and MLP sub-blocks a skip set
+    skips (default 0.45)."""
+    context_window: int | None = None
+    """W: generated tokens a candidate is scored on (default 32)."""
+    optimise_every: int | None = None
+    """Engine steps per optimisation step (default 1: every step)."""
+    bayes_interval: int | None = None
+    """Every n-th candidate comes from Bayesian optimisation (default 25)."""
+    bayes_kappa: float | None = None
+    """UCB's exploration weight kappa (default 2.5)."""
+    stop_matchness: float | None = None
+    """End a task's search once its best set's matchness exceeds this (0.95)."""
+    max_tolerance: int | None = None
+    """End it after this many candidates in a row without improvement (300)."""
+    max_iterations: int | None = None
+    """End it after this many candidates (1000)."""
+    confidence: float | None = None
+    """Stop drafting after a token whose top-1 probability is below this (0.8)."""
+    search_seed: int | None = None
+    """Seed of the candidate generator (default 0)."""
+    export_dir: str | None = None
+    """When a task's search ends, write its set there as `<task>.json`, a
+    config file for `draft_verify` (default: not written)."""
+
+    default_num_speculative_tokens = 25
+    own_fields = ("skip_ratio", "context_window", "optimise_every", "bayes_interval",
+                  "bayes_kappa", "stop_matchness", "max_tolerance", "max_iterations",
+                  "confidence", "search_seed", "export_dir")
+    defaults = {"skip_ratio": 0.45, "context_window": 32, "optimise_every": 1,
+                "bayes_interval": 25, "bayes_kappa": 2.5, "stop_matchness": 0.95,
+                "max_tolerance": 300, "max_iterations": 1000, "confidence": 0.8,
+                "search_seed": 0}
+
+    def validate_method_fields(self) -> None:
+        for name, value in self.defaults.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        for name in ("skip_ratio", "stop_matchness", "confidence"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise SelfSpecConfigError(
+                    f"speculative_config.{name}: {getattr(self, name)} is outside [0, 1]; "
+                    f"SWIFT's default is {self.defaults[name]}.")
+        for name in ("context_window", "optimise_every", "max_tolerance", "max_iterations"):
+            if getattr(self, name) < 1:
+                raise SelfSpecConfigError(
+                    f"speculative_config.{name}: {getattr(self, name)} must be >= 1.")
+        if self.bayes_interval < 0:
+            raise SelfSpecConfigError(
+                f"speculative_config.bayes_interval: {self.bayes_interval} must be >= 0 "
+                "(0: random candidates only).")
+
+    def validate_for_model(self, num_layers: int) -> None:
+        if num_layers < 3 or skip_count(num_layers, self.skip_ratio) < 1:
+            raise SelfSpecConfigError(
+                f"speculative_config.skip_ratio: {self.skip_ratio} of the "
+                f"{2 * max(num_layers - 2, 0)} skippable sub-blocks of this "
+                f"{num_layers}-layer model is nothing to skip; raise it.")
+
+    def method_hash_factors(self) -> list:
+        return [self.skip_ratio]  # the uniform set: the draft graph compiled at load
+
+    def search_settings(self) -> SearchSettings:
+        return SearchSettings(
+            ratio=self.skip_ratio, bayes_interval=self.bayes_interval, kappa=self.bayes_kappa,
+            stop_matchness=self.stop_matchness, max_tolerance=self.max_tolerance,
+            max_iterations=self.max_iterations, seed=self.search_seed)
+
+
+class SwiftProposer(SelfSpecProposer):
+    options: SwiftConfig
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.searches: dict[str, SkipSetSearch] = {}
+        self.window_owner: dict[str, str] = {}  # task -> request scored on
+        self.engine_steps = 0
+        self.optimise_seconds = 0.0  # for reports only, never for decisions
+        from vllm.config import CompilationMode
+
+        self.eager = self.vllm_config.compilation_config.mode == CompilationMode.NONE
+
+    def layer_plan(self, num_layers: int) -> LayerPlan:
+        self.drafting_set = self.uniform_set(num_layers)
+        return self.drafting_set.plan()
+
+    def uniform_set(self, num_layers: int) -> SkipSet:
+        return SkipSet.uniform(num_layers, skip_count(num_layers, self.options.skip_ratio))
+
+    def stop_after(self, req_ids, logits, step):
+        confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
+        return confidence < self.options.confidence
+
+    # --- tasks ---------------------------------------------------------------
+    def task_of(self, req_id: str) -> str:
+        extra = self.runner.requests[req_id].sampling_params.extra_args or {}
+        return str(extra.get(TASK_KEY, DEFAULT_TASK))
+
+    def search_for(self, task: str) -> SkipSetSearch:
+        if task not in self.searches:
+            self.searches[task] = SkipSetSearch(self.model.plan.num_layers,
+                                                self.options.search_settings())
+        return self.searches[task]
+
+    def begin_round(self, req_ids: list[str], verified: VerifiedTokens) -> None:
+        tasks = [self.task_of(req_id) for req_id in req_ids]
+        self.engine_steps += 1
+        if self.engine_steps % self.options.optimise_every == 0:
+            started = time.perf_counter()
+            self.optimise(req_ids, tasks, verified)
+            self.optimise_seconds += time.perf_counter() - started
+        counts = Counter(tasks)
+        majority = min(counts, key=lambda task: (-counts[task], task))
+        search = self.search_for(majority)
+        if search.done or self.eager:
+            self.draft_with(search.incumbent)
+
+    def draft_with(self, skip_set: SkipSet) -> None:
+        if skip_set != self.drafting_set:
+            self.replace_layer_plan(skip_set.plan())
+            self.drafting_set = skip_set
+
+    # --- the search ----------------------------------------------------------
+    def optimise(self, req_ids: list[str], tasks: list[str], verified: VerifiedTokens) -> None:
+        """One optimisation step for the first task (by name) still searching
+        that has a request with a full window."""
+        for task in sorted(set(tasks)):
+            search = self.search_for(task)
+            if search.done:
+                continue
+            row = self.scoring_row(task, req_ids, tasks, verified)
+            if row is None:
+                continue
+            if self.window_owner.get(task) != req_ids[row]:
+                self.window_owner[task] = req_ids[row]
+                score = self.matchness(search.incumbent, row, verified)
+                uniform = score if search.incumbent == search.uniform else (
+                    self.matchness(search.uniform, row, verified))
+                search.rescore(*self.agreed((score, uniform)))
+            candidate = self.agreed(search.next_candidate())
+            score = self.agreed(self.matchness(candidate, row, verified))
+            search.record(candidate, score)
+            if search.done:
+                self.export(task, search)
+            return
+
+    def scoring_row(self, task, req_ids, tasks, verified) -> int | None:
+        """The request whose first W + 1 generated tokens score the task's
+        candidates: the current one while it runs, else the first in the batch."""
+        owner = self.window_owner.get(task)
+        rows = [row for row, t in enumerate(tasks) if t == task]
+        rows.sort(key=lambda row: req_ids[row] != owner)
+        for row in rows:
+            if self.window_start(req_ids[row]) + self.options.context_window <= int(
+                    verified.positions[verified.last_rows[row]]):
+                return row
+        return None
+
+    def window_start(self, req_id: str) -> int:
+        return self.runner.requests[req_id].num_prompt_tokens
+
+    def matchness(self, skip_set: SkipSet, row: int, verified: VerifiedTokens) -> float:
+        """Share of the window's next tokens the set's draft predicts: the
+        window's W tokens through the set's sub-blocks in one forward that
+        reads the target's KV and writes none (empty slot mapping)."""
+        width = self.options.context_window
+        start = self.window_start(self.runner.input_batch.req_ids[row])
+        tokens = torch.from_numpy(
+            self.runner.input_batch.token_ids_cpu[row, start:start + width + 1]).to(
+                self.device, torch.int64)
+        cad, positions = self.request_window(verified.attn_metadata, row, start, width)
+        _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(cad)
+        with set_forward_context(per_layer_metadata, self.vllm_config, num_tokens=width,
+                                 slot_mapping={}):
+            draft = EagerPlanDraft(self.target_model, adapter_for(self.target_model),
+                                   skip_set.plan())
+            logits = draft.compute_logits(draft(tokens[:width].to(torch.int32), positions))
+        return float((logits.argmax(dim=-1) == tokens[1:]).float().mean())
+
+    def agreed(self, value):
+        """Rank 0's value on every tensor-parallel rank."""
+        from vllm.distributed import get_tp_group
+
+        return get_tp_group().broadcast_object(value, src=0)
+
+    def export(self, task: str, search: SkipSetSearch) -> None:
+        if self.options.export_dir is None:
+            return
+        from vllm.distributed import get_tp_group
+
+        if get_tp_group().rank_in_group != 0:
+            return
+        out = Path(self.options.export_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        best = search.incumbent
+        settings = {"attn_skip": best.attn_skip, "mlp_skip": best.mlp_skip,
+                    "num_speculative_tokens": self.options.num_speculative_tokens}
+        record = {
+            "model": self.vllm_config.model_config.model,
+            "num_hidden_layers": best.num_layers,
+            "methods": {"draft_verify": settings},
+            "how_made": f"SWIFT's on-line search, task '{task}', "
+                        f"{search.iterations} candidates",
+            "matchness": search.windows[-1],
+        }
+        (out / f"{task}.json").write_text(json.dumps(record, indent=2))
+
+    def search_report(self) -> dict:
+        return {"tasks": {task: search.report() for task, search in self.searches.items()},
+                "drafting": {"attn_skip": self.drafting_set.attn_skip,
+                             "mlp_skip": self.drafting_set.mlp_skip},
+                "optimise_seconds": self.optimise_seconds}
+
+    def forget_finished(self, active_req_ids: set[str]) -> None:
+        for task, owner in list(self.window_owner.items()):
+            if owner not in active_req_ids:
+                del self.window_owner[task]
+
+
+CONFIG_CLASS = SwiftConfig
+PROPOSER_CLASS = SwiftProposer

@@ -1,0 +1,188 @@
+"""SWIFT's on-the-fly skip-set search (Xia et al., 2025, section 4).
+
+The search space is the attention and MLP sub-blocks of layers 1..L-2 (the
+first and last layers always run): a pool of 2(L-2) sub-blocks of which a skip
+set skips n = int(2(L-2) * ratio). Each optimisation step scores one candidate
+by its matchness on a window of tokens the target produced; the candidate
+replaces the incumbent only when it scores strictly higher. Candidates are
+uniform random n-subsets, except every `bayes_interval`-th, which Bayesian
+optimisation (a Gaussian process with UCB, kappa 2.5, over [0, 1]^pool, the
+top-n coordinates skipped) suggests from every scored candidate. The search
+ends when the incumbent's matchness exceeds `stop_matchness`, after
+`max_tolerance` candidates in a row that did not improve it, or after
+`max_iterations` candidates.
+
+Everything here is a function of the scores and a seeded generator, so ranks
+that see the same scores hold the same search.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_selfspec.workers.draft_model import LayerPlan
+
+
+@dataclass(frozen=True)
+class SkipSet:
+    """Skipped sub-blocks, as indices into the pool: attention of layers
+    1..L-2 first, then their MLPs."""
+
+    skipped: tuple[int, ...]
+    num_layers: int
+
+    @property
+    def pool_size(self) -> int:
+        return 2 * (self.num_layers - 2)
+
+    @property
+    def attn_skip(self) -> list[int]:
+        middle = self.num_layers - 2
+        return [1 + j for j in self.skipped if j < middle]
+
+    @property
+    def mlp_skip(self) -> list[int]:
+        middle = self.num_layers - 2
+        return [1 + j - middle for j in self.skipped if j >= middle]
+
+    def plan(self) -> LayerPlan:
+        return LayerPlan.skipping(self.num_layers, self.attn_skip, self.mlp_skip)
+
+    def as_vector(self) -> np.ndarray:
+        vector = np.zeros(self.pool_size)
+        vector[list(self.skipped)] = 1.0
+        return vector
+
+    @classmethod
+    def uniform(cls, num_layers: int, count: int) -> SkipSet:
+        """`count` sub-blocks spread evenly: whole layers (attention and MLP) at
+        evenly spaced depths, the last one's MLP kept when `count` is odd."""
+        middle = num_layers - 2
+        layers = np.linspace(0, middle - 1, (count + 1) // 2).round().astype(int)
+        skipped = sorted({int(j) for j in layers} | {int(j) + middle for j in layers})
+        if count % 2:
+            skipped.remove(int(layers[-1]) + middle)
+        return cls(tuple(skipped), num_layers)
+
+    @classmethod
+    def top(cls, num_layers: int, scores: np.ndarray, count: int) -> SkipSet:
+        """The `count` pool entries with the highest scores."""
+        return cls(tuple(sorted(int(j) for j in np.argsort(-scores, kind="stable")[:count])),
+                   num_layers)
+
+
+def skip_count(num_layers: int, ratio: float) -> int:
+    return int(2 * (num_layers - 2) * ratio)
+
+
+def ucb_acquisition(kappa: float, seed: int, lbfgs_starts: int = 2):
+    """UCB whose acquisition optimiser uses fewer random samples and L-BFGS
+    restarts than bayes_opt's defaults: in 2L dimensions the defaults, not the
+    model, dominate the time of a suggestion (24 s per step on this CPU). With
+    `lbfgs_starts=0` only the 2000 random samples are ranked (~10 ms): for a
+    search inside the serving loop, whose suggestions are rounded to a set
+    anyway."""
+    from bayes_opt import acquisition
+
+    class CheapUCB(acquisition.UpperConfidenceBound):
+        def suggest(self, gp, target_space, n_random=2000, n_smart=lbfgs_starts,
+                    fit_gp=True, random_state=None):
+            return super().suggest(gp, target_space, n_random=n_random,
+                                   n_smart=n_smart, fit_gp=fit_gp,
+                                   random_state=random_state)
+
+    return CheapUCB(kappa=kappa, random_state=seed)
+
+
+@dataclass
+class SearchSettings:
+    ratio: float
+    bayes_interval: int
+    kappa: float
+    stop_matchness: float
+    max_tolerance: int
+    max_iterations: int
+    seed: int
+
+
+@dataclass
+class SkipSetSearch:
+    """One task's search: the incumbent, its score on the current window, and
+    the optimiser's memory."""
+
+    num_layers: int
+    settings: SearchSettings
+    incumbent: SkipSet = None
+    incumbent_score: float | None = None  # on the current scoring window
+    iterations: int = 0
+    tolerance: int = 0
+    done: bool = False
+    history: list[dict] = field(default_factory=list)  # per candidate
+    windows: list[dict] = field(default_factory=list)  # per scoring window
+
+    def __post_init__(self) -> None:
+        self.count = skip_count(self.num_layers, self.settings.ratio)
+        self.uniform = SkipSet.uniform(self.num_layers, self.count)
+        if self.incumbent is None:
+            self.incumbent = self.uniform
+        self.rng = np.random.default_rng(self.settings.seed)
+        self._keys = [f"block_{j:03d}" for j in range(2 * (self.num_layers - 2))]
+        self._optimizer = None
+        self._registered: set[SkipSet] = set()
+
+    def next_candidate(self) -> SkipSet:
+        interval = self.settings.bayes_interval
+        if interval and (self.iterations + 1) % interval == 0 and self.iterations > 0:
+            point = self.optimizer.suggest()
+            scores = np.array([point[key] for key in self._keys])
+            return SkipSet.top(self.num_layers, scores, self.count)
+        chosen = self.rng.choice(len(self._keys), size=self.count, replace=False)
+        return SkipSet(tuple(sorted(int(j) for j in chosen)), self.num_layers)
+
+    def rescore(self, score: float, uniform_score: float) -> None:
+        """The incumbent's and the uniform set's matchness on a new window."""
+        self.incumbent_score = score
+        self.windows.append({"iteration": self.iterations, "incumbent": score,
+                             "uniform": uniform_score})
+
+    def report(self) -> dict:
+        return {"iterations": self.iterations, "done": self.done,
+                "attn_skip": self.incumbent.attn_skip, "mlp_skip": self.incumbent.mlp_skip,
+                "incumbent_score": self.incumbent_score, "windows": self.windows,
+                "history": self.history}
+
+    def record(self, candidate: SkipSet, score: float) -> bool:
+        """Score one candidate; True if it became the incumbent."""
+        if candidate not in self._registered:  # the GP takes each point once
+            self._registered.add(candidate)
+            self.optimizer.register(params=dict(zip(self._keys, candidate.as_vector())),
+                                    target=score)
+        self.iterations += 1
+        improved = score > self.incumbent_score
+        if improved:
+            self.incumbent, self.incumbent_score, self.tolerance = candidate, score, 0
+            self.done = score > self.settings.stop_matchness
+        else:
+            self.tolerance += 1
+        if (self.tolerance >= self.settings.max_tolerance
+                or self.iterations >= self.settings.max_iterations):
+            self.done = True
+        self.history.append({"iteration": self.iterations, "score": score,
+                             "incumbent_score": self.incumbent_score, "done": self.done})
+        return improved
+
+    @property
+    def optimizer(self):
+        if self._optimizer is None:
+            from bayes_opt import BayesianOptimization
+
+            self._optimizer = BayesianOptimization(
+                f=None, pbounds=dict.fromkeys(self._keys, (0.0, 1.0)),
+                acquisition_function=ucb_acquisition(self.settings.kappa, self.settings.seed,
+                                                     lbfgs_starts=0),
+                random_state=self.settings.seed, verbose=0)
+            # Noisy scores (the reference's alpha), one kernel fit per suggestion.
+            self._optimizer._gp.set_params(alpha=1e-2, n_restarts_optimizer=0)
+        return self._optimizer
