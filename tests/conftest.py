@@ -69,6 +69,36 @@ def tiny_llama_dir(tmp_path_factory, model_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_outputs(tiny_llama_dir, test_prompts) -> list[str]:
+    """Plain vLLM on the random 3-layer Llama: what tensor-parallel runs must give."""
+    plain = start_engine(None, model=str(tiny_llama_dir))
+    try:
+        return greedy(plain, test_prompts[:8], 8)
+    finally:
+        stop_engine(plain)
+
+
+def run_tensor_parallel(spec: dict, model_dir: Path, prompts: list[str], monkeypatch,
+                        report_rpc: str, start_rpc: tuple[str, tuple] | None = None):
+    """Greedy outputs of `spec` at TP=2 (mp backend, one core per rank), their
+    acceptance, and every rank's answer to the worker method `report_rpc`."""
+    from vllm_selfspec.workers.profiling import WORKER_EXTENSION
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    llm = start_engine(spec, model=str(model_dir), tensor_parallel_size=2,
+                       worker_extension_cls=WORKER_EXTENSION)
+    try:
+        if start_rpc is not None:
+            llm.collective_rpc(start_rpc[0], args=start_rpc[1])
+        acceptance = Acceptance()
+        outputs = greedy(llm, prompts, 8, acceptance=acceptance)
+        reports = llm.collective_rpc(report_rpc)
+    finally:
+        stop_engine(llm)
+    return outputs, acceptance, reports
+
+
+@pytest.fixture(scope="session")
 def test_prompts(model_dir) -> list[str]:
     """24 prompts, 25 to ~600 tokens: code, chat questions, and two long ones
     that exceed the 128-token budget (chunked prefill)."""

@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import (
-    Acceptance,
     assert_every_draft_accepted,
     assert_greedy_parity_with_rejections,
     assert_same_sampling_distribution,
-    greedy,
+    run_tensor_parallel,
     start_engine,
     stop_engine,
 )
@@ -102,27 +101,16 @@ def test_bad_configs_fail_at_start_up(model_dir, spec, message):
         engine_config(model_dir, {"method": "del", **spec})
 
 
-def test_tensor_parallel_ranks_agree(tiny_llama_dir, test_prompts, monkeypatch):
+def test_tensor_parallel_ranks_agree(tiny_llama_dir, tiny_llama_outputs, test_prompts,
+                                    monkeypatch):
     """TP=2 (mp backend, one core per rank) on a random 3-layer Llama (SmolLM2's 9
     heads do not split in two): outputs equal plain vLLM's, and both ranks hold
     the same statistics and make the same choice for every request every round."""
-    plain = start_engine(None, model=str(tiny_llama_dir))
-    try:
-        expected = greedy(plain, test_prompts[:8], 8)
-    finally:
-        stop_engine(plain)
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     spec = {"method": "del", "exit_layer": 2, "draft_length": 3}
-    llm = start_engine(spec, model=str(tiny_llama_dir), tensor_parallel_size=2,
-                       worker_extension_cls=WORKER_EXTENSION)
-    try:
-        llm.collective_rpc("selfspec_trace", args=(True,))
-        acceptance = Acceptance()
-        outputs = greedy(llm, test_prompts[:8], 8, acceptance=acceptance)
-        first, second = llm.collective_rpc("selfspec_trace")
-    finally:
-        stop_engine(llm)
-    assert outputs == expected
+    outputs, acceptance, (first, second) = run_tensor_parallel(
+        spec, tiny_llama_dir, test_prompts[:8], monkeypatch, "selfspec_trace",
+        start_rpc=("selfspec_trace", (True,)))
+    assert outputs == tiny_llama_outputs
     assert acceptance.drafted > 100
     assert first == second
     assert sum(len(rounds) for rounds in first.values()) > 8 * 10

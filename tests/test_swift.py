@@ -10,9 +10,9 @@ import json
 import pytest
 
 from tests.conftest import (
-    Acceptance,
     assert_greedy_parity_with_rejections,
     greedy,
+    run_tensor_parallel,
     start_engine,
     stop_engine,
 )
@@ -80,26 +80,15 @@ def test_tasks_search_separately(swift, test_prompts):
     assert not tasks["prose"]["done"]
 
 
-def test_tensor_parallel_ranks_agree(tiny_llama_dir, test_prompts, monkeypatch):
+def test_tensor_parallel_ranks_agree(tiny_llama_dir, tiny_llama_outputs, test_prompts,
+                                    monkeypatch):
     """TP=2 (mp backend) on a random 3-layer Llama: outputs equal plain vLLM's
     and both ranks hold the same search and draft with the same set."""
-    plain = start_engine(None, model=str(tiny_llama_dir))
-    try:
-        expected = greedy(plain, test_prompts[:8], 8)
-    finally:
-        stop_engine(plain)
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     spec = {"method": "swift", "context_window": 8, "skip_ratio": 0.5, "confidence": 0.0,
             "num_speculative_tokens": 3}
-    llm = start_engine(spec, model=str(tiny_llama_dir), tensor_parallel_size=2,
-                       worker_extension_cls=WORKER_EXTENSION)
-    try:
-        acceptance = Acceptance()
-        outputs = greedy(llm, test_prompts[:8], 8, acceptance=acceptance)
-        first, second = llm.collective_rpc("selfspec_search")
-    finally:
-        stop_engine(llm)
-    assert outputs == expected
+    outputs, acceptance, (first, second) = run_tensor_parallel(
+        spec, tiny_llama_dir, test_prompts[:8], monkeypatch, "selfspec_search")
+    assert outputs == tiny_llama_outputs
     assert acceptance.drafted > 100
     for report in (first, second):
         report.pop("optimise_seconds")

@@ -68,6 +68,7 @@ class SelfSpecConfig(SpeculativeConfig):
     # Defaults a method module sets; None means "not given by the user".
     default_num_speculative_tokens: ClassVar[int] = 4
     own_fields: ClassVar[tuple[str, ...]] = ()
+    defaults: ClassVar[dict[str, Any]] = {}  # for fields the user and file left unset
 
     def __post_init__(self) -> None:
         self._merge_config_file()
@@ -82,6 +83,9 @@ class SelfSpecConfig(SpeculativeConfig):
         self.prompt_lookup_min = 0
         self.draft_model_config = self.target_model_config
         self.draft_parallel_config = self.target_parallel_config
+        for name, value in self.defaults.items():
+            if getattr(self, name) is None:
+                setattr(self, name, list(value) if isinstance(value, list) else value)
         self.validate_method_fields()
         if self.target_model_config is not None:
             self._validate_target()

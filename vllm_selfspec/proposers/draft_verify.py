@@ -55,9 +55,6 @@ class DraftVerifyConfig(SelfSpecConfig):
     }
 
     def validate_method_fields(self) -> None:
-        for name, value in self.defaults.items():
-            if getattr(self, name) is None:
-                setattr(self, name, list(value) if isinstance(value, list) else value)
         for name in ("threshold", "target_acceptance", "acceptance_smoothing",
                      "threshold_smoothing"):
             if not 0.0 <= getattr(self, name) <= 1.0:

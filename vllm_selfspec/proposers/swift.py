@@ -93,9 +93,6 @@ class SwiftConfig(SelfSpecConfig):
                 "search_seed": 0}
 
     def validate_method_fields(self) -> None:
-        for name, value in self.defaults.items():
-            if getattr(self, name) is None:
-                setattr(self, name, value)
         for name in ("skip_ratio", "stop_matchness", "confidence"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise SelfSpecConfigError(
