@@ -97,6 +97,17 @@ def start(model_dir: Path, spec: dict | None, args):
                worker_extension_cls=WORKER_EXTENSION, speculative_config=spec, **extra)
 
 
+def decode_time(output) -> tuple[int, float]:
+    """Tokens after the first, and the seconds they took (prefill excluded)."""
+    stats = output.metrics
+    return stats.num_generation_tokens - 1, stats.last_token_ts - stats.first_token_ts
+
+
+def accepted_tokens(spec_stats) -> int:
+    """Accepted drafts from a request's acceptance histogram (j accepted, n rounds)."""
+    return sum(j * n for j, n in enumerate(spec_stats.histogram))
+
+
 def measure(llm, run: Run, prompts: list[str], args) -> None:
     """Decode the prompts one at a time, `args.repeats` times, into `run`."""
     from vllm import SamplingParams
@@ -110,16 +121,16 @@ def measure(llm, run: Run, prompts: list[str], args) -> None:
         texts = []
         for prompt in tqdm(prompts, desc=f"{run.name} #{repeat + 1}", leave=False):
             output = llm.generate([prompt], params, use_tqdm=False)[0]
-            stats = output.metrics
-            tokens += stats.num_generation_tokens - 1
-            seconds += stats.last_token_ts - stats.first_token_ts
+            decoded, decode_seconds = decode_time(output)
+            tokens += decoded
+            seconds += decode_seconds
             texts.append(output.outputs[0].text)
             if repeat == 0:
-                run.generated += stats.num_generation_tokens
+                run.generated += decoded + 1
             if repeat == 0 and output.outputs[0].spec_decode_metrics is not None:
                 spec_stats = output.outputs[0].spec_decode_metrics
                 run.drafted += spec_stats.num_draft_tokens
-                run.accepted += sum(j * n for j, n in enumerate(spec_stats.histogram))
+                run.accepted += accepted_tokens(spec_stats)
                 run.rounds += sum(spec_stats.histogram)
         if repeat == 0 and ours:
             after = llm.collective_rpc("selfspec_counters")[0]

@@ -19,15 +19,9 @@ import statistics
 
 from tqdm import tqdm
 
-from benchmark import RESULTS, shutdown, start
+from benchmark import RESULTS, accepted_tokens, decode_time, shutdown, start
 from vllm_selfspec import prompts as prompt_sets
 from vllm_selfspec.assets import ROOT
-
-
-def decode_time(output) -> tuple[int, float]:
-    """Tokens after the first, and the seconds they took (prefill excluded)."""
-    stats = output.metrics
-    return stats.num_generation_tokens - 1, stats.last_token_ts - stats.first_token_ts
 
 
 def run_stream(llm, stream: list[tuple[str, str]], args, searching: bool) -> list[dict]:
@@ -44,8 +38,7 @@ def run_stream(llm, stream: list[tuple[str, str]], args, searching: bool) -> lis
                "text": output.outputs[0].text}
         spec = output.outputs[0].spec_decode_metrics
         if spec is not None and spec.num_draft_tokens:
-            row["acceptance"] = sum(j * n for j, n in enumerate(spec.histogram)) / (
-                spec.num_draft_tokens)
+            row["acceptance"] = accepted_tokens(spec) / spec.num_draft_tokens
         if searching:
             (report,) = llm.collective_rpc("selfspec_search")
             search = report["tasks"].get(task, {})

@@ -150,7 +150,6 @@ class SelfSpecProposer(DraftModelProposer):
         a restart with it as the configured skip set.)"""
         self.model = EagerPlanDraft(self.target_model, adapter_for(self.target_model), plan)
 
-
     def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True,
                   is_graph_capturing: bool = False, slot_mappings=None) -> None:
         """One draft forward at the profiling size, not one per speculative

@@ -11,8 +11,9 @@ confidence. With S(a) = sum_i w^(r-i-1) a[i], a sum decayed by w per round:
 u: valid positions of the round, c_l: those where layer l's shadow token equals
 the token that followed, tcs_l / fcs_l: summed confidence of matched /
 mismatched shadow tokens, o: a forward's fixed cost (LM head, sampling,
-engine) in layers; the paper counts layers only (o = 0). The next round drafts with the (E, gamma) that
-maximises TPL; a draft stops when its confidence at E falls below tau_E.
+engine) in layers; the paper counts layers only (o = 0). The next round
+drafts with the (E, gamma) that maximises TPL; a draft stops when its
+confidence at E falls below tau_E.
 A mean with no observations yet counts as 0 in tau (no mismatches seen: any
 confidence above half the matched mean may draft).
 """
