@@ -60,6 +60,7 @@ class Run:
     accepted: int = 0
     rounds: int = 0
     decode_tokens: int = 0
+    decode_seconds: float = 0.0  # all repeats
     startup_s: float = 0.0
     step_costs: dict | None = None
     generated: int = 0  # first repeat, prefill token included
@@ -136,6 +137,7 @@ def measure(llm, run: Run, prompts: list[str], args) -> None:
             after = llm.collective_rpc("selfspec_counters")[0]
             run.draft_layers = after["draft_layers"] - counted["draft_layers"]
         run.tokens_per_s.append(tokens / seconds)
+        run.decode_seconds += seconds
         run.decode_tokens = tokens
         run.texts = texts
 
@@ -150,6 +152,8 @@ def run_engine(run: Run, model_dir: Path, prompts: list[str], args) -> None:
         run.step_costs = llm.collective_rpc("selfspec_step_costs")[0]
     if spec is not None and spec["method"] == "del":
         run.step_costs["exit_costs"] = llm.collective_rpc("selfspec_exit_costs")[0]
+    if spec is not None and spec["method"] == "swift":
+        run.step_costs["search"] = llm.collective_rpc("selfspec_search")[0]
     shutdown(llm)
 
 
@@ -250,6 +254,9 @@ def summarize(runs: list[Run], num_layers: int) -> list[dict]:
             row["sublayers_run"] = round(run.step_costs["fraction_of_sublayers_run"], 3)
             row["ideal_speedup_S*"] = round(
                 run.mean_accepted_length / (1 + run.drafts_per_round * cost), 3)
+        if run.step_costs and "search" in run.step_costs:  # SWIFT's on-line search
+            row["optimise_share_of_decode"] = round(
+                run.step_costs["search"]["optimise_seconds"] / run.decode_seconds, 3)
         rows.append(row)
     return rows
 

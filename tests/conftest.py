@@ -6,6 +6,7 @@ import collections
 import gc
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 from vllm_selfspec.assets import ROOT
 
 MODEL_DIR = ROOT / "models" / "smollm2-135m"
+sys.path.insert(0, str(ROOT / "scripts"))  # the serving helpers tests share with scripts
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 # float32 and eager: exact parity holds there (see README); eager starts in
@@ -96,6 +98,21 @@ def run_tensor_parallel(spec: dict, model_dir: Path, prompts: list[str], monkeyp
     finally:
         stop_engine(llm)
     return outputs, acceptance, reports
+
+
+def identity_heads(path: Path, model_dir: Path, exit_layers: list[int]) -> Path:
+    """AdaDecode/DEL heads that are the model's own LM head (T = I) at these exits."""
+    import torch
+    from transformers import AutoConfig
+
+    from vllm_selfspec.proposers.early_exit import local_final_norm
+    from vllm_selfspec.workers.exit_heads import model_identity, save_heads
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    identity = model_identity(hf_config, local_final_norm(str(model_dir)))
+    eye = torch.eye(hf_config.hidden_size)
+    save_heads(path, model_dir.name, identity, {e: eye for e in exit_layers})
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -18,13 +18,12 @@ from tests.conftest import (
     assert_greedy_parity_with_rejections,
     assert_same_sampling_distribution,
     greedy,
+    identity_heads,
     start_engine,
     stop_engine,
 )
 from tests.test_config import engine_config
 from vllm_selfspec.assets import ROOT
-from vllm_selfspec.proposers.early_exit import local_final_norm
-from vllm_selfspec.workers.exit_heads import model_identity, save_heads
 
 # A low threshold: many early tokens, many of them wrong, so verification
 # rejects and rolls back often.
@@ -36,17 +35,6 @@ def adadecode():
     llm = start_engine(EAGER_EXITS)
     yield llm
     stop_engine(llm)
-
-
-def identity_heads(path, model_dir, exit_layers):
-    """Heads that are the model's own LM head (T = I) at these exit layers."""
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    identity = model_identity(hf_config, local_final_norm(str(model_dir)))
-    eye = torch.eye(hf_config.hidden_size)
-    save_heads(path, model_dir.name, identity, {e: eye for e in exit_layers})
-    return path
 
 
 @pytest.mark.parametrize("batch_size", [1, 8])

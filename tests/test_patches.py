@@ -9,9 +9,27 @@ from vllm_selfspec import patches
 
 
 def test_every_patch_target_exists_in_vllm():
-    for patch in patches.PATCHES:
+    for patch in patches.PATCHES + patches.RAY_CPU_PATCHES:
         assert hasattr(patch.target(), patch.attribute), patch
+    for patch in patches.PATCHES:
         assert callable(patch.resolve_replacement()), patch
+
+
+def test_ray_on_cpu_only_when_switched_on(monkeypatch):
+    from vllm.platforms.cpu import CpuPlatform
+
+    patches.apply_patches()
+    assert CpuPlatform.ray_device_key == ""
+    monkeypatch.setenv(patches.RAY_CPU_SWITCH, "1")
+    patches.apply_patches()
+    try:
+        assert CpuPlatform.ray_device_key == "CPU"
+        assert len(patches.ORIGINALS) == len(patches.PATCHES + patches.RAY_CPU_PATCHES)
+    finally:
+        monkeypatch.delenv(patches.RAY_CPU_SWITCH)
+        patches.remove_patches()
+        patches.apply_patches()
+    assert CpuPlatform.ray_device_key == ""
 
 
 def test_patches_are_applied_once_and_originals_kept():

@@ -1,13 +1,16 @@
 """Every vLLM symbol the plugin replaces, with the original kept.
 
-Six attributes, each small and named here, are the whole contact surface:
-the test `tests/test_patches.py` checks that each target still exists in the
-installed vLLM and that applying twice is refused.
+Six attributes, each small and named here, are the whole contact surface;
+three more run vLLM's Ray executor on the CPU platform, only when
+`SELFSPEC_RAY_CPU=1` asks for it (`ray_cpu.py`). The test
+`tests/test_patches.py` checks that each target still exists in the installed
+vLLM and that applying twice is refused.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -71,7 +74,38 @@ PATCHES = (
     ),
 )
 
+RAY_CPU_SWITCH = "SELFSPEC_RAY_CPU"
+
+RAY_CPU_PATCHES = (
+    Patch(
+        "vllm.platforms.cpu", "CpuPlatform", "ray_device_key",
+        "vllm_selfspec.ray_cpu:RAY_DEVICE_KEY",
+        "the CPU platform has no Ray device key, so the Ray executor refuses it; "
+        "bundles of one CPU per rank",
+    ),
+    Patch(
+        "vllm.v1.executor.ray_executor_v2", "RayExecutorV2", "_get_actor_resource_kwargs",
+        "vllm_selfspec.ray_cpu:actor_resources",
+        "Ray forbids the key 'CPU' under an actor's resources",
+    ),
+    Patch(
+        "vllm.v1.executor.ray_executor_v2", "", "RayWorkerProc",
+        "vllm_selfspec.ray_cpu:CpuRayWorkerProc",
+        "actors ask Ray for accelerator ids of the device key, and Ray names none for CPUs",
+    ),
+)
+
 ORIGINALS: dict[Patch, Any] = {}
+
+
+def wanted_patches() -> tuple[Patch, ...]:
+    """The patches this process needs: Ray-on-CPU ones only when switched on
+    on the CPU platform."""
+    if os.environ.get(RAY_CPU_SWITCH) != "1":
+        return PATCHES
+    from vllm.platforms import current_platform
+
+    return PATCHES + RAY_CPU_PATCHES if current_platform.is_cpu() else PATCHES
 
 
 def original(module: str, owner: str, attribute: str) -> Any:
@@ -95,11 +129,12 @@ def check_vllm_version() -> str:
 
 
 def apply_patches() -> None:
-    """Replace each listed attribute once per process."""
-    if ORIGINALS:
-        return
+    """Replace each wanted attribute once per process (a later call, e.g.
+    after `SELFSPEC_RAY_CPU` was set, adds only what is missing)."""
     check_vllm_version()
-    for patch in PATCHES:
+    for patch in wanted_patches():
+        if patch in ORIGINALS:
+            continue
         target = patch.target()
         if not hasattr(target, patch.attribute):
             raise RuntimeError(
@@ -107,7 +142,7 @@ def apply_patches() -> None:
             )
         ORIGINALS[patch] = vars(target).get(patch.attribute, _INHERITED)
         replacement = patch.resolve_replacement()
-        if patch.attribute == "__new__":
+        if patch.attribute == "__new__" or isinstance(ORIGINALS[patch], staticmethod):
             replacement = staticmethod(replacement)
         setattr(target, patch.attribute, replacement)
 

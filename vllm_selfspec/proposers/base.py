@@ -117,6 +117,11 @@ class SelfSpecProposer(DraftModelProposer):
     def begin_round(self, req_ids: list[str], verified: VerifiedTokens) -> None:
         """Look at the forward that just ran (called before drafting)."""
 
+    def per_request_state(self) -> dict[str, int]:
+        """Requests with state held now, per kind of state: the last round's
+        batch at most, so growth after requests finish is a leak."""
+        return {"drafted_last_round": len(self._drafted_last_round)}
+
     # --- vLLM's proposer interface -------------------------------------------
     def load_model(self, target_model: nn.Module) -> None:
         self.target_model = target_model

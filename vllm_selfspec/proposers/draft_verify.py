@@ -138,6 +138,9 @@ class DraftVerifyProposer(SelfSpecProposer):
         for req_id in set(self.thresholds) - active_req_ids:
             del self.thresholds[req_id]
 
+    def per_request_state(self) -> dict[str, int]:
+        return {**super().per_request_state(), "thresholds": len(self.thresholds)}
+
 
 CONFIG_CLASS = DraftVerifyConfig
 PROPOSER_CLASS = DraftVerifyProposer

@@ -195,6 +195,9 @@ class DelProposer(EarlyExitProposer):
         for req_id in set(self.exit_stats) - active_req_ids:
             del self.exit_stats[req_id]
 
+    def per_request_state(self) -> dict[str, int]:
+        return {**super().per_request_state(), "exit_stats": len(self.exit_stats)}
+
     # --- drafting ---------------------------------------------------------
     def draft_step(self, round_tokens, positions, cad, step, drafting):
         batch_size = round_tokens.shape[0]

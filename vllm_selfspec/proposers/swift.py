@@ -273,6 +273,10 @@ class SwiftProposer(SelfSpecProposer):
             if owner not in active_req_ids:
                 del self.window_owner[task]
 
+    def per_request_state(self) -> dict[str, int]:
+        """Window owners are requests; searches are per task, not request."""
+        return {**super().per_request_state(), "window_owners": len(self.window_owner)}
+
 
 CONFIG_CLASS = SwiftConfig
 PROPOSER_CLASS = SwiftProposer

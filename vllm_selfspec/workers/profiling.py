@@ -5,7 +5,9 @@ worker methods, called with `LLM.collective_rpc("selfspec_...")`.
 
 `selfspec_set_skip_set` and `selfspec_set_option` change the running drafter
 (the skip-set search, threshold sweeps); `selfspec_trace` and
-`selfspec_counters` read what it did (DEL's choices, layers run).
+`selfspec_counters` read what it did (DEL's choices, layers run);
+`selfspec_state` how much per-request state it holds (the load test's leak
+check, over `vllm serve`'s dev-mode /collective_rpc).
 
 `selfspec_exit_costs` times early-exit draft steps at each exit layer.
 `selfspec_step_costs` times one draft step against one plain decode step. Both
@@ -121,9 +123,29 @@ class SelfSpecWorkerExtension:
         seconds spent optimising."""
         return self.model_runner.drafter.search_report()
 
+    def selfspec_state(self) -> dict:
+        """Per-request state the drafter holds, and this worker's resident
+        memory: what must stay bounded under load."""
+        import psutil
+
+        drafter = getattr(self.model_runner, "drafter", None)  # none without speculation
+        return {"requests_with_state": drafter.per_request_state() if hasattr(
+                    drafter, "per_request_state") else {},
+                "rss_mb": psutil.Process().memory_info().rss / 2**20,
+                "ray_actor": _ray_actor_id()}
+
     def selfspec_counters(self) -> dict:
         """Rounds (target forwards), draft steps and draft layers run so far."""
         return vars(self.model_runner.drafter.counters).copy()
+
+
+def _ray_actor_id() -> str | None:
+    """The Ray actor this worker runs in (Ray executor), else None."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    return ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
 
 
 def measure_step_costs(worker, batch_size: int = 1, repeats: int = 30) -> dict:

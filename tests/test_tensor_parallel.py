@@ -1,0 +1,104 @@
+"""Every method at tensor parallel 2 on the CPU, on a random 3-layer Llama
+(SmolLM2's 9 heads do not split in two): the mp backend offline (DEL's and
+SWIFT's are in their own modules, with their adaptive state compared rank by
+rank), and `vllm serve --distributed-executor-backend ray` on a local Ray
+instance on loopback (vLLM's RayExecutorV2, `SELFSPEC_RAY_CPU=1`). Outputs
+equal plain vLLM's; both ranks drafted the same tokens the same way."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.conftest import identity_heads, run_tensor_parallel
+
+SKIP_ONE = {"method": "draft_verify", "attn_skip": [1], "num_speculative_tokens": 3}
+ADADECODE = {"method": "adadecode", "threshold": 0.0}  # + identity heads at layer 1
+DEL = {"method": "del", "exit_layer": 2, "draft_length": 3}
+SWIFT = {"method": "swift", "context_window": 8, "skip_ratio": 0.5, "confidence": 0.0,
+         "num_speculative_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def tiny_heads(tiny_llama_dir, tmp_path_factory) -> str:
+    return str(identity_heads(tmp_path_factory.mktemp("heads"), tiny_llama_dir, [1]))
+
+
+@pytest.mark.parametrize("method", ["draft_verify", "adadecode"])
+def test_mp_backend(method, tiny_llama_dir, tiny_heads, tiny_llama_outputs, test_prompts,
+                    monkeypatch):
+    spec = SKIP_ONE if method == "draft_verify" else {**ADADECODE, "heads": tiny_heads}
+    outputs, acceptance, (first, second) = run_tensor_parallel(
+        spec, tiny_llama_dir, test_prompts[:8], monkeypatch, "selfspec_counters")
+    assert outputs == tiny_llama_outputs
+    assert acceptance.drafted > 50
+    assert first == second and first["rounds"] > 8
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A Ray head on 127.0.0.1 with one CPU per rank, stopped afterwards."""
+    from serving import free_port
+
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    port = free_port()
+    subprocess.run([ray_cli, "start", "--head", "--node-ip-address=127.0.0.1",
+                    f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                    "--disable-usage-stats"], check=True, capture_output=True, timeout=180)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=120)
+
+
+@pytest.mark.parametrize("method", ["draft_verify", "adadecode", "del", "swift"])
+def test_ray_executor_serves_every_method(method, local_ray, tiny_llama_dir, tiny_heads,
+                                          tiny_llama_outputs, test_prompts, tmp_path):
+    from serving import vllm_serve
+
+    spec = {"draft_verify": SKIP_ONE, "del": DEL, "swift": SWIFT,
+            "adadecode": {**ADADECODE, "heads": tiny_heads}}[method]
+    args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
+            "--block-size", "32", "--max-num-seqs", "8", "--seed", "0",
+            "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"]
+    env = {"RAY_ADDRESS": local_ray, "SELFSPEC_RAY_CPU": "1", "VLLM_HOST_IP": "127.0.0.1",
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with vllm_serve(tiny_llama_dir, spec, tmp_path / "serve.log", args, env=env,
+                    dev_mode=True) as server:
+        outputs = [requests.post(f"{server.url}/v1/completions", json={
+            "model": str(tiny_llama_dir), "prompt": prompt, "max_tokens": 48,
+            "temperature": 0, "ignore_eos": True}, timeout=300).json()["choices"][0]["text"]
+            for prompt in test_prompts[:8]]
+        counters = server.collective_rpc("selfspec_counters")
+        states = server.collective_rpc("selfspec_state")
+        drafted = server.metric("vllm:spec_decode_num_draft_tokens_total")
+    assert outputs == tiny_llama_outputs
+    assert drafted > 20
+    assert len(counters) == 2 and counters[0] == counters[1] and counters[0]["rounds"] > 8
+    # Each rank ran in its own Ray actor, with our drafter in it.
+    actors = {state["ray_actor"] for state in states}
+    assert len(actors) == 2 and None not in actors, states
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "draft_verify", "config_file": "smollm2-135m"},
+    {"method": "adadecode", "heads": "smollm2-135m"},
+    {"method": "del", "heads": "smollm2-135m"},
+    {"method": "swift", "context_window": 8},
+], ids=lambda spec: spec["method"])
+def test_engine_configs_pickle(model_dir, spec):
+    """Ray actors and mp workers get the config pickled: ours must survive it
+    whole (the method's own fields included)."""
+    import pickle
+
+    from tests.test_config import engine_config
+
+    config = engine_config(model_dir, spec).speculative_config
+    copy = pickle.loads(pickle.dumps(config))
+    assert type(copy) is type(config)
+    for name in ("method", *config.own_fields):
+        assert getattr(copy, name) == getattr(config, name), name
