@@ -1,9 +1,9 @@
 """Every method at tensor parallel 2 on the CPU, on a random 3-layer Llama
 (SmolLM2's 9 heads do not split in two): the mp backend offline (DEL's and
 SWIFT's are in their own modules, with their adaptive state compared rank by
-rank), and `vllm serve --distributed-executor-backend ray` on a local Ray
-instance on loopback (vLLM's RayExecutorV2, `SELFSPEC_RAY_CPU=1`). Outputs
-equal plain vLLM's; both ranks drafted the same tokens the same way."""
+rank), and `vllm serve --distributed-executor-backend ray` (DEL and SWIFT) on
+a local Ray instance on loopback (vLLM's RayExecutorV2, `SELFSPEC_RAY_CPU=1`).
+Outputs equal plain vLLM's; both ranks drafted the same tokens the same way."""
 
 from __future__ import annotations
 
@@ -55,8 +55,11 @@ def local_ray():
         subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=120)
 
 
-@pytest.mark.parametrize("method", ["draft_verify", "adadecode", "del", "swift"])
-def test_ray_executor_serves_every_method(method, local_ray, tiny_llama_dir, tiny_heads,
+# All four passed over Ray when written; the suite keeps the two whose adaptive
+# state (DEL's statistics, SWIFT's search) must agree across actors, to stay
+# well inside CI's time.
+@pytest.mark.parametrize("method", ["del", "swift"])
+def test_ray_executor_serves(method, local_ray, tiny_llama_dir, tiny_heads,
                                           tiny_llama_outputs, test_prompts, tmp_path):
     from serving import vllm_serve
 
