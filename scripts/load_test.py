@@ -64,7 +64,6 @@ KINDS = {"completion": 6, "completion_stream": 6, "chat": 4, "chat_stream": 4,
 GREEDY_KINDS = {"completion", "completion_stream", "chat", "chat_stream", "stop",
                 "logprobs", "long_prompt", "regex", "json"}
 REJECTED_KINDS = {"bad_params", "too_long", "malformed"}
-CUT_KINDS = {"disconnect", "abort"}
 
 
 @dataclass
@@ -73,7 +72,6 @@ class Outcome:
     kind: str
     status: str  # ok | rejected (4xx as expected) | cut (by the client) | error
     seconds: float
-    completion_tokens: int = 0
     text: str | None = None  # greedy answers, for parity
     detail: str = ""
 
@@ -156,8 +154,7 @@ async def send(session: aiohttp.ClientSession, url: str, index: int, request: di
             if body.get("stream"):
                 return await _read_stream(response, kind, outcome)
             answer = await response.json()
-            return _check(outcome, kind, _texts(answer), answer["usage"]["completion_tokens"],
-                          answer["choices"][0].get("finish_reason"))
+            return _check(outcome, kind, _texts(answer), answer["choices"][0].get("finish_reason"))
     except (aiohttp.ClientError, asyncio.TimeoutError) as error:
         return outcome("error", detail=repr(error))
 
@@ -185,7 +182,7 @@ async def _read_stream(response, kind: str, outcome) -> Outcome:
             return outcome("cut")
     if not done:
         return outcome("error", detail=f"stream ended after {chunks} chunks without [DONE]")
-    return _check(outcome, kind, ["".join(pieces)], None)
+    return _check(outcome, kind, ["".join(pieces)])
 
 
 def _texts(answer: dict) -> list[str]:
@@ -193,8 +190,7 @@ def _texts(answer: dict) -> list[str]:
             for choice in answer["choices"]]
 
 
-def _check(outcome, kind: str, texts: list[str], tokens: int | None,
-           finish_reason: str | None = None) -> Outcome:
+def _check(outcome, kind: str, texts: list[str], finish_reason: str | None = None) -> Outcome:
     """Constrained outputs must be complete and valid unless cut by max_tokens."""
     text = texts[0]
     if kind == "regex" and not re.fullmatch(PHONE, text):
@@ -207,8 +203,7 @@ def _check(outcome, kind: str, texts: list[str], tokens: int | None,
             return outcome("error", detail=f"JSON output {text!r}")
     if kind == "sampling_n2" and len(texts) != 2:
         return outcome("error", detail=f"n=2 gave {len(texts)} choices")
-    return outcome("ok", completion_tokens=tokens or 0,
-                   text=text if kind in GREEDY_KINDS else None)
+    return outcome("ok", text=text if kind in GREEDY_KINDS else None)
 
 
 async def run_clients(url: str, plan: list[dict], clients: int, duration: float) -> list[Outcome]:
@@ -245,7 +240,7 @@ class Report:
     mismatched: list = field(default_factory=list)
     latency_p50_s: float = 0.0
     latency_p99_s: float = 0.0
-    tokens_per_s: float = 0.0
+    tokens_per_s: float = 0.0  # every token the server generated, streamed and cut ones too
     acceptance: float | None = None  # accepted / drafted tokens, from /metrics
     mean_accepted_length: float | None = None  # tokens per verification incl. the bonus
     preemptions: float = 0.0
@@ -256,11 +251,13 @@ class Report:
 
 def load_run(server: Server, name: str, plan: list[dict], args,
              reference: dict[int, str] | None) -> tuple[Report, dict[int, str]]:
-    before = spec_counters(server)
+    before = server.spec_counters()
+    generated = server.metric("vllm:generation_tokens_total")
     started = time.perf_counter()
     outcomes = asyncio.run(run_clients(server.url, plan, args.clients, args.duration))
     seconds = time.perf_counter() - started
-    drafted, accepted, drafts = (b - a for a, b in zip(before, spec_counters(server)))
+    generated = server.metric("vllm:generation_tokens_total") - generated
+    drafted, accepted, drafts = (b - a for a, b in zip(before, server.spec_counters()))
     finished = [o for o in outcomes if o.status == "ok"]
     latencies = sorted(o.seconds for o in finished) or [0.0]
     greedy = {o.index: o.text for o in finished if o.text is not None}
@@ -270,7 +267,7 @@ def load_run(server: Server, name: str, plan: list[dict], args,
         errors=[asdict(o) for o in outcomes if o.status == "error"][:20],
         latency_p50_s=latencies[len(latencies) // 2],
         latency_p99_s=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-        tokens_per_s=sum(o.completion_tokens for o in finished) / seconds,
+        tokens_per_s=generated / seconds,
         preemptions=server.metric("vllm:num_preemptions_total"),
     )
     if drafted:
@@ -289,12 +286,6 @@ def load_run(server: Server, name: str, plan: list[dict], args,
             timeout=120).raise_for_status()
         report.state_after_one_more = server.collective_rpc("selfspec_state")
     return report, greedy
-
-
-def spec_counters(server: Server) -> tuple[float, float, float]:
-    """vLLM's draft, accepted-token and draft-round counters."""
-    return tuple(server.metric(f"vllm:spec_decode_{name}_total")
-                 for name in ("num_draft_tokens", "num_accepted_tokens", "num_drafts"))
 
 
 def server_args(args) -> list[str]:

@@ -41,6 +41,11 @@ class Server:
                             text, flags=re.M)
         return sum(float(v) for v in values)
 
+    def spec_counters(self) -> tuple[float, float, float]:
+        """vLLM's draft-token, accepted-token and draft-round counters."""
+        return tuple(self.metric(f"vllm:spec_decode_{name}_total")
+                     for name in ("num_draft_tokens", "num_accepted_tokens", "num_drafts"))
+
     def collective_rpc(self, method: str) -> list:
         """A worker method on every rank (needs `dev_mode=True`)."""
         response = requests.post(f"{self.url}/collective_rpc", json={"method": method},

@@ -30,10 +30,6 @@ def server(request, model_dir, tmp_path_factory):
         pytest.fail(str(error))
 
 
-def _spec_counter(server, name: str) -> float:
-    return server.metric(f"vllm:spec_decode_{name}_total")
-
-
 def test_completion_and_chat(server, model_dir):
     completion = requests.post(f"{server.url}/v1/completions", json={
         "model": str(model_dir), "prompt": "def fibonacci(n):", "max_tokens": 32,
@@ -56,13 +52,13 @@ def test_streaming(server, model_dir):
 
 
 def test_metrics_count_our_drafts(server, model_dir):
-    drafted = _spec_counter(server, "num_draft_tokens")
-    accepted = _spec_counter(server, "num_accepted_tokens")
+    drafted, accepted, _ = server.spec_counters()
     requests.post(f"{server.url}/v1/completions", json={
         "model": str(model_dir), "prompt": "for i in range(10):", "max_tokens": 48,
         "temperature": 0, "ignore_eos": True}, timeout=120).raise_for_status()
-    assert _spec_counter(server, "num_draft_tokens") > drafted
-    assert _spec_counter(server, "num_accepted_tokens") > accepted
+    drafted_after, accepted_after, _ = server.spec_counters()
+    assert drafted_after > drafted
+    assert accepted_after > accepted
 
 
 def test_bad_requests_get_4xx_and_server_keeps_serving(server, model_dir):

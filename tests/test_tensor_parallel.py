@@ -78,7 +78,7 @@ def test_ray_executor_serves(method, local_ray, tiny_llama_dir, tiny_heads,
             for prompt in test_prompts[:8]]
         counters = server.collective_rpc("selfspec_counters")
         states = server.collective_rpc("selfspec_state")
-        drafted = server.metric("vllm:spec_decode_num_draft_tokens_total")
+        drafted, _, _ = server.spec_counters()
     assert outputs == tiny_llama_outputs
     assert drafted > 20
     assert len(counters) == 2 and counters[0] == counters[1] and counters[0]["rounds"] > 8
