@@ -65,6 +65,8 @@ class Run:
     step_costs: dict | None = None
     generated: int = 0  # first repeat, prefill token included
     draft_layers: float = 0.0  # first repeat; ours from the drafter's counters
+    request_tokens_per_s: list[float] = field(default_factory=list)  # all repeats, in order
+    search_iterations: list[int] = field(default_factory=list)  # SWIFT: after each request
 
     def tokens_per_loaded_layer(self, num_layers: int) -> float:
         """eTPL: generated tokens over layers run (each target forward runs all
@@ -123,6 +125,11 @@ def measure(llm, run: Run, prompts: list[str], args) -> None:
         for prompt in tqdm(prompts, desc=f"{run.name} #{repeat + 1}", leave=False):
             output = llm.generate([prompt], params, use_tqdm=False)[0]
             decoded, decode_seconds = decode_time(output)
+            run.request_tokens_per_s.append(decoded / decode_seconds)
+            if run.speculative_config and run.speculative_config["method"] == "swift":
+                search = llm.collective_rpc("selfspec_search")[0]["tasks"]
+                run.search_iterations.append(
+                    sum(task["iterations"] for task in search.values()))
             tokens += decoded
             seconds += decode_seconds
             texts.append(output.outputs[0].text)
@@ -340,6 +347,46 @@ def plot_del_trace(rounds: list[dict], path: Path, model: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_swift_search(run: Run, plain: Run, path: Path, model: str) -> None:
+    """The paper's Figure 6: matchness of each scored candidate and of the
+    incumbent over the search, and each request's speed-up over plain vLLM on
+    the same prompt and repeat, against the search iterations done by then."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = run.step_costs["search"]["tasks"]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6))
+    for task, search in tasks.items():
+        history = search["history"]
+        top.scatter([h["iteration"] for h in history], [h["score"] for h in history],
+                    s=4, alpha=0.3, label=f"{task}: candidate")
+        top.step([h["iteration"] for h in history], [h["incumbent_score"] for h in history],
+                 where="post", label=f"{task}: incumbent")
+        windows = search["windows"]
+        top.plot([w["iteration"] for w in windows], [w["uniform"] for w in windows], "x",
+                 color="black", label=f"{task}: uniform set (same window)")
+    top.set_xlabel("candidates scored")
+    top.set_ylabel("matchness")
+    top.set_ylim(0, 1.02)
+    top.legend(fontsize=7)
+    speedups = [ours / base for ours, base in
+                zip(run.request_tokens_per_s, plain.request_tokens_per_s)]
+    bottom.plot(range(1, len(speedups) + 1), speedups, "o-", label="speed-up vs plain")
+    searching = [i + 1 for i, n in enumerate(run.search_iterations)
+                 if i == 0 or n > run.search_iterations[i - 1]]
+    bottom.axvspan(0.5, max(searching) + 0.5, color="tab:orange", alpha=0.15,
+                   label="search running")
+    bottom.axhline(1.0, color="grey", lw=0.8)
+    bottom.set_xlabel("request (one at a time, every repeat)")
+    bottom.set_ylabel("decode speed-up")
+    bottom.legend(fontsize=7)
+    top.set_title(f"{model}: SWIFT's on-line search while serving")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -406,7 +453,11 @@ def main() -> None:
                "repeats": args.repeats, "rows": rows, "threshold_sweep": sweep,
                "static_exit_grid": grid, "del_trace": trace,
                "configs": {r.name: r.speculative_config for r in runs},
-               "step_costs": {r.name: r.step_costs for r in runs if r.step_costs}}
+               "step_costs": {r.name: r.step_costs for r in runs if r.step_costs},
+               "per_request": {r.name: {"tokens_per_s": [round(x, 2) for x in
+                                                         r.request_tokens_per_s],
+                                        "search_iterations": r.search_iterations}
+                               for r in runs}}
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
     plot(rows, RESULTS / f"{name}.png", f"{args.model} ({args.dtype}), {len(prompts)} "
          f"prompts x {args.max_tokens} tokens, batch 1")
@@ -414,6 +465,9 @@ def main() -> None:
         plot_sweep(sweep, RESULTS / f"{name}-adadecode-threshold.png", args.model)
     if trace:
         plot_del_trace(trace, RESULTS / f"{name}-trace.png", args.model)
+    for run in runs:
+        if run.search_iterations:
+            plot_swift_search(run, runs[0], RESULTS / f"{name}-search.png", args.model)
     print(f"\n{args.model} {args.dtype}: decode tokens/s at batch 1 "
           f"({len(prompts)} prompts, {args.max_tokens} new tokens, {args.repeats} repeats)")
     header = ("method", "tok/s", "speed-up", "accept", "mean acc len", "identical", "S*",
