@@ -32,7 +32,18 @@ from vllm_selfspec.workers.profiling import WORKER_EXTENSION
 RESULTS = ROOT / "results"
 
 
-def method_configs(model_dir: Path, config_file: str) -> dict[str, dict | None]:
+def del_config(args) -> dict:
+    """DEL with the model's trained heads if it has them, else its own LM head
+    at the `--del-exits` layers (as for LayerSkip-style models)."""
+    if (CONFIGS_DIR / "heads" / args.model).exists():
+        return {"method": "del", "heads": args.model}
+    if args.del_exits:
+        return {"method": "del", "exit_layers": args.del_exits}
+    return {"method": "del", "exit_layer_stride": 2}
+
+
+def method_configs(model_dir: Path, args) -> dict[str, dict | None]:
+    config_file = args.model
     configs = {
         "plain": None,
         "draft_verify": {"method": "draft_verify", "config_file": config_file},
@@ -45,7 +56,7 @@ def method_configs(model_dir: Path, config_file: str) -> dict[str, dict | None]:
     }
     if (CONFIGS_DIR / "heads" / config_file).exists():  # trained exit heads
         configs["adadecode"] = {"method": "adadecode", "heads": config_file}
-        configs["del"] = {"method": "del", "heads": config_file}
+    configs["del"] = del_config(args)
     configs["swift"] = {"method": "swift"}
     return configs
 
@@ -187,8 +198,9 @@ def threshold_sweep(model_dir: Path, prompts: list[str], plain: Run, args) -> li
 
 def static_exit_grid(model_dir: Path, prompts: list[str], plain: Run, args) -> list[dict]:
     """DEL's baseline: a fixed exit layer E and draft length gamma (LayerSkip's
-    LS(E-gamma)) for every E of the heads and gamma in args.del_grid, one engine."""
-    spec = {"method": "del", "heads": args.model}
+    LS(E-gamma)) for every E in args.exit_layers and gamma in args.del_grid, one
+    engine."""
+    spec = del_config(args)
     llm = start(model_dir, spec, args)
     runs = []
     points = [(e, g) for e in args.exit_layers for g in args.del_grid]
@@ -211,8 +223,7 @@ def del_with_step_overhead(runs: list[Run], model_dir: Path, prompts: list[str],
         overhead = round(measured["step_overhead_layers"], 1)
     else:
         overhead = float(args.del_step_overhead)
-    run = Run(f"del o={overhead:g}", {"method": "del", "heads": args.model,
-                                     "step_overhead": overhead})
+    run = Run(f"del o={overhead:g}", {**del_config(args), "step_overhead": overhead})
     run_engine(run, model_dir, prompts, args)
     return run
 
@@ -221,7 +232,7 @@ def del_trace(model_dir: Path, prompt: str, args) -> list[dict]:
     """DEL's choice every round for one prompt (the paper's Figure 4)."""
     from vllm import SamplingParams
 
-    llm = start(model_dir, {"method": "del", "heads": args.model}, args)
+    llm = start(model_dir, del_config(args), args)
     llm.collective_rpc("selfspec_trace", args=(True,))
     llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=args.max_tokens * 2),
                  use_tqdm=False)
@@ -402,8 +413,14 @@ def main() -> None:
     parser.add_argument("--threshold-sweep", type=lambda v: [float(x) for x in v.split(",")],
                         help="also sweep AdaDecode's threshold, e.g. 0.5,0.6,0.7,0.8,0.9")
     parser.add_argument("--del-grid", type=lambda v: [int(x) for x in v.split(",")],
-                        help="also run static early exit at every head layer with these "
-                             "draft lengths, e.g. 1,2,4 (DEL's baseline)")
+                        help="also run static early exit at every exit of --del-grid-exits "
+                             "with these draft lengths, e.g. 1,2,4 (DEL's baseline)")
+    parser.add_argument("--del-grid-exits", type=lambda v: [int(x) for x in v.split(",")],
+                        help="exit layers of the static grid (default: the heads' exits)")
+    parser.add_argument("--del-exits", type=lambda v: [int(x) for x in v.split(",")],
+                        help="without trained heads: DEL's candidate exits for the own LM "
+                             "head (default every 2nd layer; each costs an LM-head pass "
+                             "per round)")
     parser.add_argument("--del-step-overhead", metavar="LAYERS|measured",
                         help="also run del with this step_overhead ('measured': the "
                              "value the del run measured)")
@@ -423,14 +440,14 @@ def main() -> None:
     args.num_layers = json.loads((model_dir / "config.json").read_text())[
         "num_hidden_layers"]
     heads_file = CONFIGS_DIR / "heads" / args.model / "heads.json"
-    args.exit_layers = (json.loads(heads_file.read_text())["exit_layers"]
-                        if heads_file.exists() else [])
+    args.exit_layers = args.del_grid_exits or (
+        json.loads(heads_file.read_text())["exit_layers"] if heads_file.exists() else [])
 
     half = args.num_prompts // 2
     questions = prompt_sets.humaneval(half) + prompt_sets.mtbench(args.num_prompts - half)
     prompts = prompt_sets.as_chat(AutoTokenizer.from_pretrained(model_dir), questions)
 
-    configs = method_configs(model_dir, args.model)
+    configs = method_configs(model_dir, args)
     chosen = args.methods.split(",") if args.methods else list(configs)
     if "plain" not in chosen:
         chosen.insert(0, "plain")

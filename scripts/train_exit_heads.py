@@ -240,8 +240,8 @@ def main() -> None:
     records = generate_data(args, model_dir, workdir / "data.json")
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     model.requires_grad_(False)
-    states = extract_states(model, records, args.exit_layers,
-                            workdir / f"states-{'-'.join(map(str, args.exit_layers))}.pt")
+    exits_key = "-".join(map(str, args.exit_layers))  # cached states and checkpoint per exit set
+    states = extract_states(model, records, args.exit_layers, workdir / f"states-{exits_key}.pt")
     num_held_out = max(1, round(args.held_out * len(records)))
     held_out_sequences = list(range(len(records) - num_held_out, len(records)))
     is_held_out = states["sequence"] >= held_out_sequences[0]
@@ -250,7 +250,7 @@ def main() -> None:
 
     before = evaluate(model, {layer: None for layer in args.exit_layers}, states,
                       test_rows, args.batch_tokens)
-    transforms = train(model, states, train_rows, args, workdir / "checkpoint.pt")
+    transforms = train(model, states, train_rows, args, workdir / f"checkpoint-{exits_key}.pt")
     after = evaluate(model, transforms, states, test_rows, args.batch_tokens)
     own = own_head_agreement(model, records, held_out_sequences)
 
