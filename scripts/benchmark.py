@@ -25,18 +25,27 @@ from pathlib import Path
 from tqdm import tqdm
 
 from vllm_selfspec import prompts as prompt_sets
-from vllm_selfspec.assets import ROOT
+from vllm_selfspec.assets import ROOT, fast_dtype
 from vllm_selfspec.config import CONFIGS_DIR, METHOD_MODULES
 from vllm_selfspec.workers.profiling import WORKER_EXTENSION
 
 RESULTS = ROOT / "results"
 
 
+def del_heads(model: str) -> str | None:
+    """DEL's shipped exit heads: <model>-del (dense shallow exits, where tokens
+    per loaded layer can pay) if there are some, else AdaDecode's <model>."""
+    for name in (f"{model}-del", model):
+        if (CONFIGS_DIR / "heads" / name).exists():
+            return name
+    return None
+
+
 def del_config(args) -> dict:
     """DEL with the model's trained heads if it has them, else its own LM head
     at the `--del-exits` layers (as for LayerSkip-style models)."""
-    if (CONFIGS_DIR / "heads" / args.model).exists():
-        return {"method": "del", "heads": args.model}
+    if heads := del_heads(args.model):
+        return {"method": "del", "heads": heads}
     if args.del_exits:
         return {"method": "del", "exit_layers": args.del_exits}
     return {"method": "del", "exit_layer_stride": 2}
@@ -407,7 +416,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default=fast_dtype(),
+                        help="(default: bfloat16 where the hardware has it, else float32)")
     parser.add_argument("--eager", action="store_true", help="no torch.compile")
     parser.add_argument("--name", help="results file stem")
     parser.add_argument("--threshold-sweep", type=lambda v: [float(x) for x in v.split(",")],
@@ -425,7 +435,8 @@ def main() -> None:
                         help="also run del with this step_overhead ('measured': the "
                              "value the del run measured)")
     parser.add_argument("--del-trace", action="store_true",
-                        help="also plot DEL's exit layer and threshold over one request")
+                        help="also plot DEL's exit layer and threshold over one request "
+                             "whose text turns from code to prose")
     args = parser.parse_args()
     if args.quick:
         args.methods = args.methods or "plain,draft_verify"
@@ -439,9 +450,10 @@ def main() -> None:
 
     args.num_layers = json.loads((model_dir / "config.json").read_text())[
         "num_hidden_layers"]
-    heads_file = CONFIGS_DIR / "heads" / args.model / "heads.json"
-    args.exit_layers = args.del_grid_exits or (
-        json.loads(heads_file.read_text())["exit_layers"] if heads_file.exists() else [])
+    heads = del_heads(args.model)
+    args.exit_layers = args.del_grid_exits or (json.loads(
+        (CONFIGS_DIR / "heads" / heads / "heads.json").read_text())["exit_layers"]
+        if heads else [])
 
     half = args.num_prompts // 2
     questions = prompt_sets.humaneval(half) + prompt_sets.mtbench(args.num_prompts - half)
@@ -461,7 +473,9 @@ def main() -> None:
     name = args.name or f"{args.model}-{args.dtype}{'-quick' if args.quick else ''}"
     sweep = threshold_sweep(model_dir, prompts, runs[0], args) if args.threshold_sweep else []
     grid = static_exit_grid(model_dir, prompts, runs[0], args) if args.del_grid else []
-    trace = del_trace(model_dir, prompts[0], args) if args.del_trace else []
+    trace = del_trace(model_dir, prompt_sets.as_chat(
+        AutoTokenizer.from_pretrained(model_dir), [prompt_sets.CODE_THEN_STORY])[0],
+        args) if args.del_trace else []
     RESULTS.mkdir(exist_ok=True)
     command = "python scripts/benchmark.py " + " ".join(
         a for a in os.sys.argv[1:])

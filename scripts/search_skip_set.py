@@ -22,7 +22,7 @@ import time
 from tqdm import tqdm
 
 from vllm_selfspec import prompts as prompt_sets
-from vllm_selfspec.assets import ROOT
+from vllm_selfspec.assets import ROOT, fast_dtype
 from vllm_selfspec.config import CONFIGS_DIR
 
 
@@ -57,7 +57,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--num-speculative-tokens", type=int, default=12,
                         help="K, most drafts per round (Draft & Verify's default 12)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default=fast_dtype(),
+                        help="(default: bfloat16 where the hardware has it, else float32)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from benchmark import RESULTS, accepted_tokens, decode_time, shutdown, start
 from vllm_selfspec import prompts as prompt_sets
-from vllm_selfspec.assets import ROOT
+from vllm_selfspec.assets import ROOT, fast_dtype
 
 
 def run_stream(llm, stream: list[tuple[str, str]], args, searching: bool) -> list[dict]:
@@ -84,7 +84,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--per-task", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default=fast_dtype(),
+                        help="(default: bfloat16 where the hardware has it, else float32)")
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--config", default="{}", help="extra swift settings, JSON")
     parser.add_argument("--name", help="results file stem")

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from vllm_selfspec import prompts as prompt_sets
-from vllm_selfspec.assets import ROOT
+from vllm_selfspec.assets import ROOT, fast_dtype
 from vllm_selfspec.config import CONFIGS_DIR
 from vllm_selfspec.workers.exit_heads import model_identity, save_heads
 
@@ -215,7 +215,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--batch-tokens", type=int, default=256)
     parser.add_argument("--held-out", type=float, default=0.1, help="share of sequences")
-    parser.add_argument("--dtype", default="bfloat16", help="of the data-generating engine")
+    parser.add_argument("--dtype", default=fast_dtype(),
+                        help="of the data-generating engine (bfloat16 where native, else float32)")
     parser.add_argument("--out", help="heads directory (default configs/heads/<model>)")
     parser.add_argument("--workdir", help="cache for resuming (default .cache/heads/<model>)")
     args = parser.parse_args()

@@ -41,7 +41,7 @@ from torch.nn.utils import parametrize
 from tqdm import tqdm
 from train_exit_heads import BENCHMARK_PROMPTS, generate_data, model_path
 
-from vllm_selfspec.assets import ROOT
+from vllm_selfspec.assets import ROOT, fast_dtype
 
 RESULTS = ROOT / "results"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -210,7 +210,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--sequences-per-step", type=int, default=4)
-    parser.add_argument("--dtype", default="bfloat16", help="of the data-generating engine")
+    parser.add_argument("--dtype", default=fast_dtype(),
+                        help="of the data-generating engine (bfloat16 where native, else float32)")
     args = parser.parse_args()
     args.prompts_jsonl = None  # generate_data's prompt sets, in SETS order
     started = time.perf_counter()

@@ -1,5 +1,5 @@
 """DEL on the real engine: lossless greedy and sampling with the shipped SmolLM2
-heads, 100 % acceptance when drafting through all layers, static early exit,
+DEL heads, 100 % acceptance when drafting through all layers, static early exit,
 the exit layer following the content, and bad configs refused at start-up."""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from tests.conftest import (
     stop_engine,
 )
 from tests.test_config import engine_config
+from vllm_selfspec.prompts import CODE_THEN_STORY
 from vllm_selfspec.workers.profiling import WORKER_EXTENSION
 
-DEL = {"method": "del", "heads": "smollm2-135m"}
+DEL = {"method": "del", "heads": "smollm2-135m-del"}
 
 
 @pytest.fixture(scope="module")
@@ -38,24 +39,24 @@ def test_sampling_keeps_the_target_distribution(dynamic_exit, plain):
     assert_same_sampling_distribution(dynamic_exit, plain)
 
 
-def test_choice_follows_the_content(dynamic_exit):
-    """One request whose text changes kind (code, then a story): the per-layer
-    acceptance estimates move with it, and so does the choice (drafting at an
-    exit layer, or not drafting). On SmolLM2 the exit itself stays at 8 once
-    drafting pays: see the README ("Why the exit layer stays shallow")."""
+def test_exit_layer_moves_with_the_content(dynamic_exit):
+    """One request whose text changes as it goes: the per-layer acceptance
+    estimates move with it, and so does the chosen exit layer, between layers
+    (the shipped DEL heads have dense shallow exits, where tokens per loaded
+    layer can favour one exit over another; see the README)."""
     from vllm import SamplingParams
 
-    prompt = ("<|im_start|>user\nWrite a Python function that sorts a list, then "
-              "explain in plain English, as a short story, why sorting matters."
-              "<|im_end|>\n<|im_start|>assistant\n")
+    prompt = f"<|im_start|>user\n{CODE_THEN_STORY}<|im_end|>\n<|im_start|>assistant\n"
     dynamic_exit.collective_rpc("selfspec_trace", args=(True,))
     dynamic_exit.generate([prompt], SamplingParams(temperature=0, max_tokens=256),
                           use_tqdm=False)
     (trace,) = dynamic_exit.collective_rpc("selfspec_trace")
     (rounds,) = trace.values()
-    choices = [r["exit_layer"] if r["max_drafts"] else None for r in rounds]
-    assert set(choices) - {None} <= {8, 15, 22}
-    assert len(set(choices)) >= 2, f"the choice never moved: {choices}"
+    exits = [r["exit_layer"] for r in rounds if r["max_drafts"]]
+    assert set(exits) <= {2, 4, 6, 8, 15, 22}
+    assert len(set(exits)) >= 2, f"the exit layer never moved: {exits}"
+    moves = sum(a != b for a, b in zip(exits, exits[1:]))
+    assert moves >= 2, exits
     estimates = [r["acceptance_per_layer"] for r in rounds[len(rounds) // 10:]]
     spread = [max(layer) - min(layer) for layer in zip(*estimates)]
     assert max(spread) > 0.15, spread

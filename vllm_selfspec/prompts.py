@@ -56,3 +56,9 @@ def mixed(count: int) -> list[str]:
     """Half HumanEval, half MT-bench, alternating (raw text, no chat template)."""
     code, chat = humaneval(count), mtbench(count)
     return [p for pair in zip(code, chat) for p in pair][:count]
+
+
+# One request whose text changes kind, code then prose: DEL's choices follow it
+# (tests/test_del.py, and the trace plot of scripts/benchmark.py --del-trace).
+CODE_THEN_STORY = ("Write a Python function that sorts a list, then explain in plain "
+                   "English, as a short story, why sorting matters.")
