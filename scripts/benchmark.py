@@ -238,12 +238,12 @@ def del_with_step_overhead(runs: list[Run], model_dir: Path, prompts: list[str],
 
 
 def del_trace(model_dir: Path, prompt: str, args) -> list[dict]:
-    """DEL's choice every round for one prompt (the paper's Figure 4)."""
+    """DEL's choice every round over 256 tokens of one prompt (the paper's Figure 4)."""
     from vllm import SamplingParams
 
     llm = start(model_dir, del_config(args), args)
     llm.collective_rpc("selfspec_trace", args=(True,))
-    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=args.max_tokens * 2),
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=256),
                  use_tqdm=False)
     (trace,) = llm.collective_rpc("selfspec_trace")
     shutdown(llm)
