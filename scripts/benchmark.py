@@ -27,6 +27,7 @@ from tqdm import tqdm
 from vllm_selfspec import prompts as prompt_sets
 from vllm_selfspec.assets import ROOT, fast_dtype
 from vllm_selfspec.config import CONFIGS_DIR, METHOD_MODULES
+from vllm_selfspec.workers.exit_heads import ExitHeads
 from vllm_selfspec.workers.profiling import WORKER_EXTENSION
 
 RESULTS = ROOT / "results"
@@ -451,13 +452,13 @@ def main() -> None:
     args.num_layers = json.loads((model_dir / "config.json").read_text())[
         "num_hidden_layers"]
     heads = del_heads(args.model)
-    args.exit_layers = args.del_grid_exits or (json.loads(
-        (CONFIGS_DIR / "heads" / heads / "heads.json").read_text())["exit_layers"]
-        if heads else [])
+    args.exit_layers = args.del_grid_exits or (
+        ExitHeads.open(str(CONFIGS_DIR / "heads" / heads)).exit_layers if heads else [])
 
     half = args.num_prompts // 2
     questions = prompt_sets.humaneval(half) + prompt_sets.mtbench(args.num_prompts - half)
-    prompts = prompt_sets.as_chat(AutoTokenizer.from_pretrained(model_dir), questions)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = prompt_sets.as_chat(tokenizer, questions)
 
     configs = method_configs(model_dir, args)
     chosen = args.methods.split(",") if args.methods else list(configs)
@@ -474,8 +475,7 @@ def main() -> None:
     sweep = threshold_sweep(model_dir, prompts, runs[0], args) if args.threshold_sweep else []
     grid = static_exit_grid(model_dir, prompts, runs[0], args) if args.del_grid else []
     trace = del_trace(model_dir, prompt_sets.as_chat(
-        AutoTokenizer.from_pretrained(model_dir), [prompt_sets.CODE_THEN_STORY])[0],
-        args) if args.del_trace else []
+        tokenizer, [prompt_sets.CODE_THEN_STORY])[0], args) if args.del_trace else []
     RESULTS.mkdir(exist_ok=True)
     command = "python scripts/benchmark.py " + " ".join(
         a for a in os.sys.argv[1:])
