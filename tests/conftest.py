@@ -106,8 +106,7 @@ def identity_heads(path: Path, model_dir: Path, exit_layers: list[int]) -> Path:
     import torch
     from transformers import AutoConfig
 
-    from vllm_selfspec.proposers.early_exit import local_final_norm
-    from vllm_selfspec.workers.exit_heads import model_identity, save_heads
+    from vllm_selfspec.workers.exit_heads import local_final_norm, model_identity, save_heads
 
     hf_config = AutoConfig.from_pretrained(model_dir)
     identity = model_identity(hf_config, local_final_norm(str(model_dir)))

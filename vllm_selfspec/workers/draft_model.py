@@ -1,6 +1,7 @@
 """The draft model: a compiled module over a subset of the target's own layers.
 
-It holds no weights and no KV cache of its own. Its attention sub-blocks are
+It holds no KV cache of its own, and no weights beyond the low-precision
+copies `DraftWeights` may make of the target's. Its attention sub-blocks are
 the target's `Attention` modules, so they find the target's KV cache and the
 drafter's metadata under the target's layer names in the forward context, and
 draft KV lands in the target's paged blocks. Which sub-blocks run is fixed per
@@ -18,6 +19,8 @@ import torch
 import torch.nn as nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
+
+from vllm_selfspec.workers.draft_weights import DraftWeights
 
 
 @dataclass(frozen=True)
@@ -73,22 +76,23 @@ class LayerSubsetDraft(nn.Module):
         prefix: str = "",
         target: nn.Module,
         adapter: ModuleType,
+        weights: DraftWeights,
         plan: LayerPlan,
     ) -> None:
         super().__init__()
         decoder = adapter.decoder(target)
-        if len(decoder.layers) != plan.num_layers:
+        if len(weights.layers) != plan.num_layers:
             raise ValueError(
                 f"layer plan covers {plan.num_layers} layers, model has "
-                f"{len(decoder.layers)}"
+                f"{len(weights.layers)}"
             )
         # Registered as submodules so compiled graphs bind the shared weights.
         self.embed_tokens = decoder.embed_tokens
-        self.layers = decoder.layers
+        self.layers = weights.layers
         self.norm = decoder.norm
         self.plan = plan
         self._run_layer = adapter.run_layer
-        self._compute_logits = target.compute_logits
+        self._compute_logits = weights.compute_logits
 
     def forward(
         self,
@@ -110,19 +114,21 @@ class EagerPlanDraft(nn.Module):
     """The same draft as `LayerSubsetDraft`, uncompiled: for plans chosen while
     serving (SWIFT's candidates and learned sets, the skip-set search)."""
 
-    def __init__(self, target: nn.Module, adapter: ModuleType, plan: LayerPlan) -> None:
+    def __init__(self, target: nn.Module, adapter: ModuleType, weights: DraftWeights,
+                 plan: LayerPlan) -> None:
         super().__init__()
         self.decoder = adapter.decoder(target)
+        self.layers = weights.layers
         self.plan = plan
         self._run_layer = adapter.run_layer
-        self._compute_logits = target.compute_logits
+        self._compute_logits = weights.compute_logits
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         hidden_states = (
             inputs_embeds if inputs_embeds is not None else self.decoder.embed_tokens(input_ids)
         )
-        return _run_plan(self.decoder.layers, self.decoder.norm, self._run_layer, self.plan,
+        return _run_plan(self.layers, self.decoder.norm, self._run_layer, self.plan,
                          hidden_states, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

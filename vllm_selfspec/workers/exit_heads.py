@@ -53,6 +53,17 @@ def model_identity(hf_config: Any, norm_weight: torch.Tensor) -> dict[str, Any]:
     }
 
 
+def local_final_norm(model: str) -> torch.Tensor | None:
+    """The final norm's weight, read from a local checkpoint (None if remote)."""
+    from safetensors import safe_open
+
+    for file in sorted(Path(model).glob("*.safetensors")):
+        with safe_open(file, framework="pt") as weights:
+            if "model.norm.weight" in weights.keys():
+                return weights.get_tensor("model.norm.weight")
+    return None
+
+
 @dataclass(frozen=True)
 class ExitHeads:
     """A heads directory, read and checked against a model."""
@@ -155,7 +166,8 @@ def save_heads(
     dynamic_arg_dims={"input_ids": 0, "positions": -1, "hidden_states": 0, "residual": 0}
 )
 class ExitSegment(nn.Module):
-    """Layers [start, end) of the target, then the head input of exit `end`.
+    """Layers [start, end) of the draft's layers (the target's, or their
+    low-precision copies), then the head input of exit `end`.
 
     The first segment starts from token ids; later ones continue the residual
     pair (hidden_states, residual) the previous segment returned.
@@ -168,6 +180,7 @@ class ExitSegment(nn.Module):
         prefix: str = "",
         target: nn.Module,
         adapter: ModuleType,
+        layers: nn.ModuleList,
         start: int,
         end: int,
         transform: torch.Tensor | None,
@@ -175,7 +188,7 @@ class ExitSegment(nn.Module):
         super().__init__()
         decoder = adapter.decoder(target)
         self.embed_tokens = decoder.embed_tokens if start == 0 else None
-        self.layers = nn.ModuleList(decoder.layers[start:end])
+        self.layers = nn.ModuleList(layers[start:end])
         self.norm = decoder.norm
         self.start, self.end = start, end
         if transform is None:

@@ -91,3 +91,19 @@ def aux_hidden_state_layers(self: Any) -> tuple[int, ...] | None:
     return original(
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
         "_get_eagle3_aux_layers_from_config")(self)
+
+
+def quantize_linear_before_packing(self: Any, layer: Any) -> None:
+    """With a low-precision draft configured, make the draft's copy of each
+    unquantized linear weight while the weight is still there: vLLM's CPU
+    path packs it into oneDNN and frees the tensor right after."""
+    from vllm.config.vllm import get_current_vllm_config_or_none
+
+    from vllm_selfspec.workers.draft_weights import stash_low_precision_copy
+
+    config = get_current_vllm_config_or_none()
+    spec = getattr(config, "speculative_config", None)
+    if isinstance(spec, SelfSpecConfig):
+        stash_low_precision_copy(layer, spec.draft_precision, config.model_config.dtype)
+    original("vllm.model_executor.layers.linear", "UnquantizedLinearMethod",
+             "process_weights_after_loading")(self, layer)

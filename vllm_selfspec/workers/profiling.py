@@ -134,6 +134,16 @@ class SelfSpecWorkerExtension:
                 "rss_mb": psutil.Process().memory_info().rss / 2**20,
                 "ray_actor": _ray_actor_id()}
 
+    def selfspec_draft_weights(self) -> dict:
+        """What the draft reads: its precision, the copy's bytes on this rank
+        beside the model's, and how many tokens its head keeps (None: all)."""
+        drafter = self.model_runner.drafter
+        weights = drafter.draft_weights
+        vocab = drafter.options.draft_vocab_token_ids()
+        return {"precision": weights.precision, "extra_bytes": weights.extra_bytes,
+                "model_bytes": weights.model_bytes,
+                "vocab_tokens": None if vocab is None else len(vocab)}
+
     def selfspec_counters(self) -> dict:
         """Rounds (target forwards), draft steps and draft layers run so far."""
         return vars(self.model_runner.drafter.counters).copy()
@@ -161,6 +171,9 @@ def measure_step_costs(worker, batch_size: int = 1, repeats: int = 30) -> dict:
         "cost_ratio": draft / plain,
         "fraction_of_sublayers_run": plan.fraction_run,
         "plan": plan.describe(),
+        "draft_precision": drafter.draft_weights.precision,
+        "draft_copy_bytes": drafter.draft_weights.extra_bytes,
+        "model_bytes": drafter.draft_weights.model_bytes,
     }
 
 

@@ -1,0 +1,59 @@
+"""Cheap drafts on the real engine: every method drafting through an int8 copy
+of the target's weights and the shipped reduced-vocabulary head stays
+lossless (greedy at batch 1 and 8, and sampling for the recommended setting),
+and the copy is really there."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import (
+    assert_greedy_parity_with_rejections,
+    assert_same_sampling_distribution,
+    start_engine,
+    stop_engine,
+)
+from vllm_selfspec.workers.profiling import WORKER_EXTENSION
+
+CHEAP = {"draft_precision": "int8", "draft_vocab": "smollm2-135m"}
+# The recommended setting first (full depth, the README's one short config),
+# then each method as its own tests run it.
+METHODS = {
+    "draft_verify": {"method": "draft_verify", "num_speculative_tokens": 4},
+    "adadecode": {"method": "adadecode", "heads": "smollm2-135m", "threshold": 0.4},
+    "del": {"method": "del", "heads": "smollm2-135m-del"},
+    "swift": {"method": "swift", "context_window": 8, "bayes_interval": 5},
+}
+
+
+@pytest.fixture(scope="module", params=list(METHODS))
+def cheap(request):
+    llm = start_engine({**METHODS[request.param], **CHEAP},
+                       worker_extension_cls=WORKER_EXTENSION)
+    llm.method = request.param
+    yield llm
+    stop_engine(llm)
+
+
+def test_the_draft_reads_an_int8_copy_and_a_reduced_head(cheap, model_dir):
+    import json
+
+    (report,) = cheap.collective_rpc("selfspec_draft_weights")
+    vocab = json.loads((model_dir.parent.parent / "configs" / "vocab" /
+                        "smollm2-135m.json").read_text())
+    assert report["precision"] == "int8"
+    assert report["vocab_tokens"] == vocab["size"] < 49152
+    # float32 model: int8 linears are a quarter of their bytes, the head a subset.
+    assert 0.05 * report["model_bytes"] < report["extra_bytes"] < 0.3 * report["model_bytes"]
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_greedy_output_identical_to_plain_vllm(cheap, plain_outputs, test_prompts,
+                                               batch_size):
+    assert_greedy_parity_with_rejections(cheap, plain_outputs, test_prompts, batch_size)
+
+
+def test_sampling_keeps_the_target_distribution(cheap, plain):
+    if cheap.method != "draft_verify":
+        pytest.skip("one method family with both levers on is enough here")
+    assert_same_sampling_distribution(cheap, plain)

@@ -1,0 +1,384 @@
+"""The weights a draft reads: the target's own, or a low-precision copy of them.
+
+A draft step on a memory-bound device costs about the weight bytes it reads,
+so a full-depth draft over an int8 copy of every linear weight costs about
+half a bf16 step while agreeing with the target on nearly every token.
+Verification always runs the target's own weights, so outputs stay the
+target's; only acceptance can change.
+
+`DraftWeights.build` makes, from the loaded target:
+- `layers`: the target's decoder layers, or shallow clones of them in which
+  every vLLM linear layer (`LinearBase`) runs through vLLM's own quantised
+  kernel over a copy of its weight. Everything else (attention and its KV
+  cache, norms, rotary embedding, tensor-parallel collectives in the linears'
+  `forward`) is the target's, shared, so each rank quantises its own shard.
+- `compute_logits`: the target's LM head, or a draft head over a low-precision
+  copy and/or a frequent-token subset of its rows (`draft_vocab`); logits
+  outside the subset are -inf, so a draft never leaves it.
+
+Kernels come from vLLM's selectors, so the platform picks them: on the CPU,
+`init_int8_linear_kernel` gives the W8A8 sgl kernel where AMX and the shape
+allow, oneDNN otherwise; on CUDA, CUTLASS. int4 (W4A16, symmetric, groups of
+64 inputs) goes through `choose_mp_linear_kernel`: `cpu_gemm_wna16` on the CPU,
+Marlin and friends on CUDA; the head then stays int8.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+INT4_GROUP_SIZE = 64
+
+
+# --- quantised linear layers ------------------------------------------------
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: weight ~ q * scale, scale [N, 1] fp32."""
+    weight = weight.detach().float()
+    scale = (weight.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-10)
+    quantized = torch.round(weight / scale).clamp(-127, 127).to(torch.int8)
+    return quantized, scale
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int4 per group of `group_size` inputs, stored as uint4b8
+    (value + 8): q [N, K] in 0..15 and scales [N, K / group_size]."""
+    weight = weight.detach().float()
+    n, k = weight.shape
+    groups = weight.view(n, k // group_size, group_size)
+    scale = (groups.abs().amax(dim=2, keepdim=True) / 7.0).clamp(min=1e-10)
+    quantized = (torch.round(groups / scale).clamp(-8, 7) + 8).to(torch.int32)
+    return quantized.view(n, k), scale.squeeze(2)
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T (+ bias) through vLLM's W8A8 int8 kernel (dynamic per-token
+    activation scales), over an int8 copy of W."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 logical_widths: list[int]) -> None:
+        super().__init__()
+        from vllm.model_executor.kernels.linear import init_int8_linear_kernel
+
+        self.out_features, self.in_features = weight.shape
+        quantized, scale = quantize_int8(weight)
+        self.logical_widths = list(logical_widths)
+        self.weight = nn.Parameter(quantized, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale.to(weight.device), requires_grad=False)
+        for name in ("input_scale", "input_zero_point", "azp_adj"):
+            self.register_parameter(name, None)
+        self.bias = bias
+        self.kernel = init_int8_linear_kernel(
+            is_channelwise=True, is_static_input_scheme=False, input_symmetric=True,
+            module_name="selfspec draft (int8)")
+        self.kernel.process_weights_after_loading(self)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.out_features * self.in_features + 4 * self.out_features
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernel.apply_weights(self, x, bias)
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T (+ bias) through vLLM's mixed-precision W4A16 kernel over a
+    symmetric int4 copy of W (GPTQ-style packing, as compressed-tensors
+    checkpoints give it to the kernel)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 logical_widths: list[int]) -> None:
+        super().__init__()
+        from vllm.model_executor.kernels.linear import choose_mp_linear_kernel
+        from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import (
+            MPLinearLayerConfig,
+        )
+        from vllm.model_executor.layers.quantization.utils.quant_utils import (
+            pack_quantized_values_into_int32,
+        )
+        from vllm.model_executor.parameter import (
+            GroupQuantScaleParameter,
+            PackedvLLMParameter,
+        )
+        from vllm.scalar_type import scalar_types
+
+        self.out_features, self.in_features = n, k = weight.shape
+        quantized, scale = quantize_int4(weight)
+        packed = pack_quantized_values_into_int32(quantized, scalar_types.uint4b8, 1)
+        noop = lambda *args, **kwargs: None  # noqa: E731 - loaders are never called
+        self.weight_packed = PackedvLLMParameter(
+            data=packed.to(weight.device), input_dim=1, output_dim=0, packed_dim=1,
+            packed_factor=8, weight_loader=noop)
+        self.weight_scale = GroupQuantScaleParameter(
+            data=scale.to(weight.device, weight.dtype).contiguous(), input_dim=1,
+            output_dim=0, weight_loader=noop)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
+                                                           requires_grad=False)
+        self.logical_widths = list(logical_widths)
+        config = MPLinearLayerConfig(
+            full_weight_shape=(k, n), partition_weight_shape=(k, n),
+            weight_type=scalar_types.uint4b8, act_type=weight.dtype,
+            group_size=INT4_GROUP_SIZE, zero_points=False)
+        kernel_type = choose_mp_linear_kernel(config)
+        self.kernel = kernel_type(config, w_q_param_name="weight_packed",
+                                  w_s_param_name="weight_scale",
+                                  w_zp_param_name="weight_zero_point")
+        self.register_parameter("weight_zero_point", None)
+        self.kernel.process_weights_after_loading(self)
+
+    @property
+    def weight_bytes(self) -> int:
+        groups = self.in_features // INT4_GROUP_SIZE
+        return self.out_features * self.in_features // 2 + 2 * self.out_features * groups
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernel.apply_weights(self, x, bias)
+
+
+LOW_PRECISION_LINEARS: dict[str, type[nn.Module]] = {"int8": Int8Linear, "int4": Int4Linear}
+
+
+def int4_shape_problem(out_features: int, in_features: int) -> str | None:
+    """Why vLLM's W4A16 kernels cannot take this (N, K) shard, or None."""
+    if in_features % INT4_GROUP_SIZE:
+        return f"input size {in_features} is not a multiple of {INT4_GROUP_SIZE}"
+    if out_features % 32 or in_features % 32:
+        return f"shape {out_features} x {in_features} is not a multiple of 32"
+    return None
+
+
+class DraftLinearMethod:
+    """A `quant_method` for a cloned vLLM linear layer: its `forward` (and so
+    its tensor-parallel gather or all-reduce and bias rules) stays vLLM's, only
+    the matrix multiply runs over the low-precision copy."""
+
+    def __init__(self, linear: nn.Module) -> None:
+        self.linear = linear
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.linear(x, bias)
+
+
+# Where a linear layer keeps its draft copy: in its __dict__, outside the module
+# tree, so the target's parameters, state dict and compiled graph never see it.
+STASH = "_selfspec_draft_linear"
+
+
+def stash_low_precision_copy(linear: nn.Module, precision: str | None,
+                             dtype: torch.dtype) -> None:
+    """Called as the target's weights finish loading (see patches.py)."""
+    if precision not in LOW_PRECISION_LINEARS:
+        return
+    weight = getattr(linear, "weight", None)
+    if weight is None or weight.ndim != 2 or weight.is_meta:
+        return
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    widths = getattr(linear, "output_partition_sizes", None) or [weight.shape[0]]
+    # vLLM's CPU int8 kernel takes its output dtype from the default dtype.
+    with set_default_torch_dtype(dtype):
+        copy_ = LOW_PRECISION_LINEARS[precision](weight, linear.bias, widths)
+    linear.__dict__[STASH] = copy_
+
+
+def low_precision_clone(linear: nn.Module) -> nn.Module:
+    """A shallow copy of a vLLM linear layer drafting through the copy of its
+    weight shard made at load time; the original is untouched."""
+    quantized = linear.__dict__.get(STASH)
+    if quantized is None:
+        raise ValueError(
+            f"speculative_config.draft_precision: the target's {type(linear).__name__} "
+            "has no low-precision copy (a quantised checkpoint, or weights loaded "
+            "without the plugin); use an unquantised model or leave draft_precision "
+            "unset.")
+    clone = copy.copy(linear)
+    clone.__dict__.pop(STASH, None)
+    clone._parameters = {k: v for k, v in linear._parameters.items() if k != "weight"}
+    clone._modules = dict(linear._modules)
+    clone._buffers = dict(linear._buffers)
+    clone.draft_linear = quantized
+    clone.quant_method = DraftLinearMethod(quantized)
+    return clone
+
+
+def replace_linears(module: nn.Module, replace: Callable[[nn.Module], nn.Module]
+                    ) -> nn.Module:
+    """`module`, with every vLLM linear layer below it replaced: ancestors of a
+    replaced layer are shallow clones, everything else is shared."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    if isinstance(module, LinearBase):
+        return replace(module)
+    children = dict(module.named_children())
+    new_children = {name: replace_linears(child, replace) for name, child in children.items()}
+    if all(new_children[name] is child for name, child in children.items()):
+        return module
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    clone._modules.update(new_children)
+    return clone
+
+
+# --- the draft head ---------------------------------------------------------
+class DraftHead(nn.Module):
+    """The target's LM head for drafts: its rows for a token subset (all of
+    the rank's vocabulary shard without one), at the draft's precision.
+
+    Logits are returned over the full vocabulary (-inf outside the subset),
+    as every draft-side consumer (argmax, confidence, DEL's shadow tokens)
+    expects; under tensor parallelism each rank computes its shard's rows and
+    the shards are all-gathered, so every rank sees the same logits."""
+
+    def __init__(self, target: nn.Module, precision: str,
+                 token_ids: list[int] | None) -> None:
+        super().__init__()
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        lm_head, processor = target.lm_head, target.logits_processor
+        shard = lm_head.shard_indices
+        start, end = shard.org_vocab_start_index, shard.org_vocab_end_index
+        device = lm_head.weight.device
+        if token_ids is None:
+            local = torch.arange(start, end, device=device)
+        else:
+            ids = torch.tensor(sorted(set(token_ids)), device=device)
+            local = ids[(ids >= start) & (ids < end)]
+        weight = lm_head.weight.detach()[local - start]
+        self.vocab_size = processor.org_vocab_size
+        self.scale, self.soft_cap = processor.scale, processor.soft_cap
+        self.tp_size = get_tensor_model_parallel_world_size()
+        if precision in LOW_PRECISION_LINEARS:
+            self.linear = LOW_PRECISION_LINEARS[precision](weight, None, [weight.shape[0]])
+            self.weight_bytes = self.linear.weight_bytes
+        else:
+            self.register_buffer("weight", weight.clone())
+            self.linear = None
+            self.weight_bytes = weight.numel() * weight.element_size()
+        self.local_rows = local.numel()
+        self.padded_rows = self._padded_rows(local.numel(), device)
+        gathered = self._gather_ids(local)
+        # Full-vocabulary logits need a scatter unless the rows already are the vocabulary.
+        self.needs_scatter = token_ids is not None or self.tp_size > 1
+        self.register_buffer("token_ids", gathered)
+
+    def _padded_rows(self, rows: int, device: torch.device) -> int:
+        if self.tp_size == 1:
+            return rows
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        counts = tensor_model_parallel_all_gather(torch.tensor([rows], device=device))
+        return int(counts.max())
+
+    def _gather_ids(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's token ids, each padded to `padded_rows` with the
+        out-of-vocabulary id `vocab_size` (a scatter column that is dropped)."""
+        padded = torch.full((self.padded_rows,), self.vocab_size, dtype=torch.int64,
+                            device=local.device)
+        padded[: local.numel()] = local
+        if self.tp_size == 1:
+            return padded
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        return tensor_model_parallel_all_gather(padded.view(1, -1)).view(-1)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.linear is not None:
+            logits = self.linear(hidden_states)
+        else:
+            logits = torch.nn.functional.linear(hidden_states, self.weight)
+        if self.soft_cap is not None:
+            logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if not self.needs_scatter:
+            return logits
+        if self.tp_size > 1:
+            from vllm.distributed import tensor_model_parallel_all_gather
+
+            pad = self.padded_rows - self.local_rows
+            if pad:
+                logits = torch.nn.functional.pad(logits, (0, pad), value=float("-inf"))
+            logits = tensor_model_parallel_all_gather(logits.contiguous())
+        full = logits.new_full((logits.shape[0], self.vocab_size + 1), float("-inf"))
+        full.index_copy_(1, self.token_ids, logits)
+        return full[:, : self.vocab_size]
+
+
+# --- all of it --------------------------------------------------------------
+def model_weight_bytes(target: nn.Module) -> int:
+    """The target's weight bytes on this rank, counting linear weights that
+    vLLM's CPU path packed away (their tensors are empty afterwards)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    total = 0
+    for module in target.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if isinstance(module, LinearBase) and name == "weight":
+                rows = getattr(module, "output_size_per_partition", module.output_size)
+                cols = getattr(module, "input_size_per_partition", module.input_size)
+                total += rows * cols * module.params_dtype.itemsize
+            else:
+                total += param.numel() * param.element_size()
+    return total
+
+
+
+@dataclass
+class DraftWeights:
+    """The layers and LM head a draft runs, and what the copy costs in memory."""
+
+    layers: nn.ModuleList
+    compute_logits: Callable[[torch.Tensor], torch.Tensor]
+    precision: str
+    extra_bytes: int
+    model_bytes: int
+
+    @classmethod
+    def build(cls, target: nn.Module, layers: nn.ModuleList, precision: str | None,
+              vocab_token_ids: list[int] | None, num_layers_used: int) -> DraftWeights:
+        """The first `num_layers_used` layers with their linears' low-precision
+        copies (made at load time; deeper ones are never drafted through and
+        are dropped), and the draft head."""
+        precision = precision or "auto"
+        model_bytes = model_weight_bytes(target)
+        low = precision in LOW_PRECISION_LINEARS
+        extra = 0
+        if low:
+            copies: list[nn.Module] = []
+
+            def quantize(linear: nn.Module) -> nn.Module:
+                clone = low_precision_clone(linear)
+                copies.append(clone)
+                return clone
+
+            layers = nn.ModuleList(
+                [replace_linears(layer, quantize) if index < num_layers_used else layer
+                 for index, layer in enumerate(layers)])
+            extra += sum(clone.draft_linear.weight_bytes for clone in copies)
+            for module in target.modules():  # copies no draft uses are freed
+                module.__dict__.pop(STASH, None)
+        compute_logits = target.compute_logits
+        if low or vocab_token_ids is not None:
+            # int4 keeps the head at int8: a subset's row count fits no int4
+            # tiling, and the argmax over the vocabulary is where errors show.
+            head = DraftHead(target, "int8" if precision == "int4" else precision,
+                             vocab_token_ids)
+            extra += head.weight_bytes
+            compute_logits = head
+        weights = cls(layers, compute_logits, precision, extra, model_bytes)
+        if extra:
+            logger.info(
+                "vllm-selfspec draft weights (%s%s): %.1f MB extra on this rank, %.1f%% "
+                "of the model's %.1f MB", precision,
+                "" if vocab_token_ids is None else f", {len(vocab_token_ids)}-token head",
+                extra / 1e6, 100 * extra / model_bytes, model_bytes / 1e6)
+        return weights
