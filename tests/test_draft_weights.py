@@ -62,19 +62,22 @@ def test_quantisation_round_trips():
 @pytest.mark.parametrize(("cls", "dtype", "bound"), [
     (Int8Linear, torch.float32, 0.03), (Int8Linear, torch.bfloat16, 0.03),
     (Int4Linear, torch.bfloat16, 0.15)])
+@pytest.mark.parametrize("with_bias", [False, True])
 def test_vllm_kernels_over_the_copy_match_the_dense_product(vllm_context, cls, dtype,
-                                                             bound):
+                                                             bound, with_bias):
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     torch.manual_seed(0)
     weight = (torch.randn(192, 576) * 0.02).to(dtype)
+    bias = torch.randn(192).to(dtype) if with_bias else None
     with set_default_torch_dtype(dtype):
-        linear = cls(weight, None, [192])
+        linear = cls(weight, bias, [192])
     for rows in (1, 5):
         x = torch.randn(rows, 576, dtype=dtype)
-        out = linear(x)
+        out = linear(x, bias)  # vLLM's forward passes its own bias where it applies
+        expected = x.float() @ weight.float().t() + (0 if bias is None else bias.float())
         assert out.shape == (rows, 192) and out.dtype == dtype
-        assert relative_error(out, x.float() @ weight.float().t()) < bound
+        assert relative_error(out, expected) < bound
 
 
 def test_cloned_mlp_drafts_with_the_copy_and_leaves_the_target_alone(vllm_context):

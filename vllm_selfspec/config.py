@@ -200,6 +200,18 @@ class SelfSpecConfig(SpeculativeConfig):
                 "every pipeline stage on the last one, so it needs "
                 "pipeline_parallel_size=1; use tensor parallelism instead."
             )
+        if parallel is not None and parallel.data_parallel_size > 1:
+            raise SelfSpecConfigError(
+                "data_parallel_size: vLLM's runner makes cross-rank dummy drafts on idle "
+                "data-parallel ranks that self-speculative drafting does not join; use "
+                "data_parallel_size=1 (run one server per replica) with tensor parallelism.")
+        layer_types = getattr(model_config.hf_config, "layer_types", None) or []
+        if len(set(layer_types)) > 1:
+            raise SelfSpecConfigError(
+                f"speculative_config.method: '{self.method}' drafts through every layer's "
+                f"KV cache as one group, but this model mixes layer types "
+                f"{sorted(set(layer_types))} (e.g. sliding-window layers); use a model "
+                "whose layers all attend the same way.")
         self.validate_for_model(model_config.hf_config.num_hidden_layers)
         self._validate_draft_weights_for_model()
 

@@ -28,7 +28,6 @@ from typing import Literal
 
 import torch
 from vllm.config.utils import config
-from vllm.forward_context import set_forward_context
 
 from vllm_selfspec.config import SelfSpecConfigError
 from vllm_selfspec.proposers.early_exit import EarlyExitConfig, EarlyExitProposer
@@ -80,8 +79,7 @@ class AdaDecodeProposer(EarlyExitProposer):
         exited = ~drafting  # requests that stopped need no deeper layers
         chosen = None
         hidden_states = residual = None
-        with set_forward_context(per_layer_metadata, self.vllm_config,
-                                 num_tokens=batch_size * width, slot_mapping=slots):
+        with self.draft_forward_context(per_layer_metadata, batch_size * width, slots):
             for segment in self.model.segments:
                 hidden_states, residual, head_input = segment(
                     input_ids, window_positions, hidden_states, residual)

@@ -179,9 +179,34 @@ class SelfSpecProposer(DraftModelProposer):
         """One draft forward at the profiling size, not one per speculative
         token as vLLM's does: draft steps keep no activations and run the same
         graphs, so more passes measure nothing new and cost minutes of CPU
-        start-up at 18-25 speculative tokens."""
-        super().dummy_run(num_tokens, use_cudagraphs, is_graph_capturing=True,
-                          slot_mappings=slot_mappings)
+        start-up at 18-25 speculative tokens. The runner's flags pass through
+        unchanged (docs/gpu-runner-reading.md)."""
+        configured = self.num_speculative_tokens
+        self.num_speculative_tokens = 1
+        try:
+            super().dummy_run(num_tokens, use_cudagraphs, is_graph_capturing,
+                              slot_mappings=slot_mappings)
+        finally:
+            self.num_speculative_tokens = configured
+
+    def initialize_cudagraph_keys(self, cudagraph_mode) -> None:
+        """No CUDA-graph keys for the draft: our loop runs its draft modules
+        without graphs (`draft_forward_context`), so capturing any at start-up
+        would only cost time and memory."""
+        from vllm.config import CUDAGraphMode
+
+        self.cudagraph_dispatcher.initialize_cudagraph_keys(CUDAGraphMode.NONE)
+
+    def draft_forward_context(self, attn_metadata, num_tokens: int, slot_mapping):
+        """The forward context of a draft forward: no CUDA graph. vLLM's own
+        loop pads to captured sizes and replays graphs; ours changes shapes
+        and modules per step and request (exits, plans, windows), which a graph
+        captured at start-up cannot follow."""
+        from vllm.config import CUDAGraphMode
+
+        return set_forward_context(attn_metadata, self.vllm_config, num_tokens=num_tokens,
+                                   cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                   slot_mapping=slot_mapping)
 
     def propose(
         self,
@@ -279,12 +304,8 @@ class SelfSpecProposer(DraftModelProposer):
             cad, draft_index=step
         )
         self.input_ids[:batch_size] = round_tokens[:, -1]
-        with set_forward_context(
-            per_layer_metadata,
-            self.vllm_config,
-            num_tokens=batch_size,
-            slot_mapping=self._get_slot_mapping(batch_size),
-        ):
+        with self.draft_forward_context(per_layer_metadata, batch_size,
+                                        self._get_slot_mapping(batch_size)):
             hidden_states = self.model(
                 input_ids=self.input_ids[:batch_size],
                 positions=self._get_positions(batch_size),

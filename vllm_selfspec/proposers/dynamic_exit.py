@@ -29,7 +29,6 @@ from typing import Literal
 import numpy as np
 import torch
 from vllm.config.utils import config
-from vllm.forward_context import set_forward_context
 
 from vllm_selfspec.config import SelfSpecConfigError
 from vllm_selfspec.proposers.base import VerifiedTokens
@@ -212,9 +211,8 @@ class DelProposer(EarlyExitProposer):
         self.input_ids[:batch_size] = round_tokens[:, -1]
         chosen = None
         hidden_states = residual = None
-        with set_forward_context(per_layer_metadata, self.vllm_config,
-                                 num_tokens=batch_size,
-                                 slot_mapping=self._get_slot_mapping(batch_size)):
+        with self.draft_forward_context(per_layer_metadata, batch_size,
+                                        self._get_slot_mapping(batch_size)):
             for segment in self.model.segments:
                 if segment.start >= deepest:
                     break

@@ -38,7 +38,6 @@ from typing import Literal
 
 import torch
 from vllm.config.utils import config
-from vllm.forward_context import set_forward_context
 
 from vllm_selfspec.config import SelfSpecConfig, SelfSpecConfigError
 from vllm_selfspec.proposers.base import SelfSpecProposer, VerifiedTokens
@@ -226,8 +225,7 @@ class SwiftProposer(SelfSpecProposer):
                 self.device, torch.int64)
         cad, positions = self.request_window(verified.attn_metadata, row, start, width)
         _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(cad)
-        with set_forward_context(per_layer_metadata, self.vllm_config, num_tokens=width,
-                                 slot_mapping={}):
+        with self.draft_forward_context(per_layer_metadata, width, {}):
             draft = self.eager_draft(skip_set.plan())
             logits = draft.compute_logits(draft(tokens[:width].to(torch.int32), positions))
         return float((logits.argmax(dim=-1) == tokens[1:]).float().mean())

@@ -33,7 +33,8 @@ import torch
 import torch.nn as nn
 from vllm.logger import init_logger
 
-logger = init_logger(__name__)
+# Under "vllm." so it shows with vLLM's own start-up log lines.
+logger = init_logger(f"vllm.{__name__}")
 
 INT4_GROUP_SIZE = 64
 
@@ -66,8 +67,6 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  logical_widths: list[int]) -> None:
         super().__init__()
-        from vllm.model_executor.kernels.linear import init_int8_linear_kernel
-
         self.out_features, self.in_features = weight.shape
         quantized, scale = quantize_int8(weight)
         self.logical_widths = list(logical_widths)
@@ -75,10 +74,10 @@ class Int8Linear(nn.Module):
         self.weight_scale = nn.Parameter(scale.to(weight.device), requires_grad=False)
         for name in ("input_scale", "input_zero_point", "azp_adj"):
             self.register_parameter(name, None)
-        self.bias = bias
-        self.kernel = init_int8_linear_kernel(
-            is_channelwise=True, is_static_input_scheme=False, input_symmetric=True,
-            module_name="selfspec draft (int8)")
+        # A copy: kernels may convert or permute the bias they are given.
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
+                                                           requires_grad=False)
+        self.kernel = _int8_kernel()
         self.kernel.process_weights_after_loading(self)
 
     @property
@@ -86,7 +85,35 @@ class Int8Linear(nn.Module):
         return self.out_features * self.in_features + 4 * self.out_features
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.kernel.apply_weights(self, x, bias)
+        return _apply(self, x, bias)
+
+
+def _apply(linear: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The caller (vLLM's linear `forward`) decides whether the bias applies
+    (row-parallel: rank 0 only); the kernel gets the copy it prepared."""
+    return linear.kernel.apply_weights(linear, x, linear.bias if bias is not None else None)
+
+
+def _int8_kernel():
+    """vLLM's int8 W8A8 kernel for dynamic per-token, symmetric activations.
+    CUTLASS has no int8 path on SM100+ (read from vLLM's sources, not run),
+    so there the Triton kernel is taken."""
+    from vllm.model_executor.kernels.linear import init_int8_linear_kernel
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda() and current_platform.has_device_capability(100):
+        from vllm.model_executor.kernels.linear import (
+            Int8ScaledMMLinearLayerConfig,
+            TritonInt8ScaledMMLinearKernel,
+        )
+
+        config = Int8ScaledMMLinearLayerConfig(
+            is_static_input_scheme=False, is_channelwise=True, input_symmetric=True)
+        return TritonInt8ScaledMMLinearKernel(config, layer_param_names=[
+            "weight", "weight_scale", "input_scale", "input_zero_point", "azp_adj"])
+    return init_int8_linear_kernel(
+        is_channelwise=True, is_static_input_scheme=False, input_symmetric=True,
+        module_name="selfspec draft (int8)")
 
 
 class Int4Linear(nn.Module):
@@ -128,10 +155,13 @@ class Int4Linear(nn.Module):
             weight_type=scalar_types.uint4b8, act_type=weight.dtype,
             group_size=INT4_GROUP_SIZE, zero_points=False)
         kernel_type = choose_mp_linear_kernel(config)
+        # What some CUDA kernels (Humming) read off the layer, as vLLM's linears have it.
+        self.output_partition_sizes = list(logical_widths)
+        self.input_size_per_partition = self.input_size = k
+        self.params_dtype = weight.dtype
+        self.has_bias = bias is not None
         self.kernel = kernel_type(config, w_q_param_name="weight_packed",
-                                  w_s_param_name="weight_scale",
-                                  w_zp_param_name="weight_zero_point")
-        self.register_parameter("weight_zero_point", None)
+                                  w_s_param_name="weight_scale")
         self.kernel.process_weights_after_loading(self)
 
     @property
@@ -140,7 +170,7 @@ class Int4Linear(nn.Module):
         return self.out_features * self.in_features // 2 + 2 * self.out_features * groups
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.kernel.apply_weights(self, x, bias)
+        return _apply(self, x, bias)
 
 
 LOW_PRECISION_LINEARS: dict[str, type[nn.Module]] = {"int8": Int8Linear, "int4": Int4Linear}
@@ -319,9 +349,12 @@ def model_weight_bytes(target: nn.Module) -> int:
     vLLM's CPU path packed away (their tensors are empty afterwards)."""
     from vllm.model_executor.layers.linear import LinearBase
 
-    total = 0
+    total, seen = 0, set()
     for module in target.modules():
         for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:  # tied embeddings: one tensor, two modules
+                continue
+            seen.add(id(param))
             if isinstance(module, LinearBase) and name == "weight":
                 rows = getattr(module, "output_size_per_partition", module.output_size)
                 cols = getattr(module, "input_size_per_partition", module.input_size)
