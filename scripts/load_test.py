@@ -60,9 +60,12 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 KINDS = {"completion": 6, "completion_stream": 6, "chat": 4, "chat_stream": 4,
          "stop": 3, "logprobs": 2, "sampling_n2": 3, "long_prompt": 1, "regex": 2,
          "json": 2, "disconnect": 2, "abort": 2, "bad_params": 1, "too_long": 1,
-         "malformed": 1}
+         "malformed": 1, "task_key": 3}
 GREEDY_KINDS = {"completion", "completion_stream", "chat", "chat_stream", "stop",
-                "logprobs", "long_prompt", "regex", "json"}
+                "logprobs", "long_prompt", "regex", "json", "task_key"}
+# SWIFT task keys a client may send: path traversal, an absolute path, and a
+# new key per request (unbounded state if the server kept one search per key).
+HOSTILE_TASK_KEYS = ("../../../tmp/selfspec-escape", "/tmp/selfspec-escape", "a/b")
 REJECTED_KINDS = {"bad_params", "too_long", "malformed"}
 
 
@@ -119,6 +122,9 @@ def build_requests(count: int, model: str, tokenizer, seed: int = 0) -> list[dic
             body["temperature"] = -1.0
         elif kind == "too_long":
             body["prompt"] = tokenizer.decode(long_ids[:MAX_MODEL_LEN + 200])
+        elif kind == "task_key":  # answered as the default task, greedy as any other
+            key = rng.choice([*HOSTILE_TASK_KEYS, f"client-{index}"])
+            body["vllm_xargs"] = {"selfspec_task": key}
         plan.append({"kind": kind, "body": body,
                      "path": "/v1/chat/completions" if "messages" in body
                      else "/v1/completions"})
@@ -234,6 +240,7 @@ class Report:
     requests: int
     seconds: float
     by_status: dict
+    by_kind: dict = field(default_factory=dict)  # requests sent, per kind
     errors: list = field(default_factory=list)
     greedy_compared: int = 0
     greedy_identical: int = 0
@@ -264,6 +271,7 @@ def load_run(server: Server, name: str, plan: list[dict], args,
     report = Report(
         name=name, requests=len(outcomes), seconds=seconds,
         by_status=dict(sorted(Counter(o.status for o in outcomes).items())),
+        by_kind=dict(sorted(Counter(o.kind for o in outcomes).items())),
         errors=[asdict(o) for o in outcomes if o.status == "error"][:20],
         latency_p50_s=latencies[len(latencies) // 2],
         latency_p99_s=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
@@ -297,16 +305,18 @@ def server_args(args) -> list[str]:
 def print_table(reports: list[Report]) -> None:
     print(f"{'server':>14} {'requests':>8} {'s':>6} {'errors':>6} {'greedy same':>11} "
           f"{'p50 s':>6} {'p99 s':>6} {'tok/s':>6} {'accept':>6} {'preempt':>7} "
-          f"{'state after':>11}")
+          f"{'state after':>11} {'tasks':>5}")
     for r in reports:
-        state = max((sum(rank["requests_with_state"].values()) for rank in r.state_after_run),
-                    default=0)
+        state = max((sum(n for kind, n in rank["requests_with_state"].items()
+                         if kind != "tasks") for rank in r.state_after_run), default=0)
+        tasks = max((rank["requests_with_state"].get("tasks", 0)
+                     for rank in r.state_after_run), default=0)
         print(f"{r.name:>14} {r.requests:>8} {r.seconds:>6.0f} "
               f"{r.by_status.get('error', 0):>6} "
               f"{r.greedy_identical:>5}/{r.greedy_compared:<5} {r.latency_p50_s:>6.2f} "
               f"{r.latency_p99_s:>6.2f} {r.tokens_per_s:>6.1f} "
               f"{'-' if r.acceptance is None else f'{r.acceptance:.2f}':>6} "
-              f"{r.preemptions:>7.0f} {state:>11}")
+              f"{r.preemptions:>7.0f} {state:>11} {tasks:>5}")
 
 
 def main() -> None:

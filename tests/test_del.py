@@ -9,6 +9,7 @@ import pytest
 from tests.conftest import (
     assert_every_draft_accepted,
     assert_greedy_parity_with_rejections,
+    assert_same_distribution_after_rejections,
     assert_same_sampling_distribution,
     run_tensor_parallel,
     start_engine,
@@ -115,3 +116,7 @@ def test_tensor_parallel_ranks_agree(tiny_llama_dir, tiny_llama_outputs, test_pr
     assert acceptance.drafted > 100
     assert first == second
     assert sum(len(rounds) for rounds in first.values()) > 8 * 10
+
+
+def test_sampling_after_rejected_drafts_keeps_the_target_distribution(dynamic_exit, plain):
+    assert_same_distribution_after_rejections(dynamic_exit, plain)

@@ -13,6 +13,7 @@ import pytest
 from tests.conftest import (
     assert_every_draft_accepted,
     assert_greedy_parity_with_rejections,
+    assert_same_distribution_after_rejections,
     assert_same_sampling_distribution,
     start_engine,
     stop_engine,
@@ -68,3 +69,7 @@ def test_prefix_cache_hits_keep_outputs(skipping, plain_outputs, test_prompts):
 
 def test_sampling_keeps_the_target_distribution(plain, skipping):
     assert_same_sampling_distribution(skipping, plain)
+
+
+def test_sampling_after_rejected_drafts_keeps_the_target_distribution(skipping, plain):
+    assert_same_distribution_after_rejections(skipping, plain)

@@ -2,17 +2,44 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import vllm
 
 from vllm_selfspec import patches
 
 
-def test_every_patch_target_exists_in_vllm():
+def _vllm_original(patch: patches.Patch):
+    """What vLLM itself has at the patched place (before or after patching)."""
+    if patch in patches.ORIGINALS:
+        return patches.ORIGINALS[patch]
+    return vars(patch.target()).get(patch.attribute, patches._INHERITED)
+
+
+def _parameter_names(function) -> list[str]:
+    function = getattr(function, "__func__", function)
+    return list(inspect.signature(function).parameters)
+
+
+def test_every_patch_target_is_where_vllm_defines_it_and_fits():
+    """Each replaced attribute is defined by vLLM exactly there (a `__new__` we
+    add must not hide one vLLM defines), and each replaced function takes the
+    parameters vLLM's has: a rename or a move in vLLM fails here."""
     for patch in patches.PATCHES + patches.RAY_CPU_PATCHES:
-        assert hasattr(patch.target(), patch.attribute), patch
-    for patch in patches.PATCHES:
-        assert callable(patch.resolve_replacement()), patch
+        original = _vllm_original(patch)
+        replacement = patch.resolve_replacement()
+        if patch.attribute == "__new__":
+            assert isinstance(patch.target(), type), patch
+            assert original is patches._INHERITED, f"vLLM now defines {patch}"
+            assert _parameter_names(replacement) == ["cls", "args", "kwargs"]
+        elif isinstance(replacement, str):  # a class attribute (Ray device key)
+            inherited = getattr(type.mro(patch.target())[1], patch.attribute)
+            assert isinstance(inherited if original is patches._INHERITED else original,
+                              str), patch
+        else:
+            assert original is not patches._INHERITED, f"vLLM no longer defines {patch}"
+            assert _parameter_names(original) == _parameter_names(replacement), patch
 
 
 def test_ray_on_cpu_only_when_switched_on(monkeypatch):

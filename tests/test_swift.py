@@ -53,9 +53,12 @@ def test_search_learns_a_better_set_and_exports_it(swift, test_prompts, model_di
     """By the end of the search the incumbent predicts the target's next
     tokens better than the uniform set on the same windows, the engine drafts
     with it, and it is written as a draft_verify config."""
-    while not search_report(swift)["tasks"]["default"]["done"]:
+    for _ in range(40):  # ~400 candidates at W = 8 end the search well before this
+        if search_report(swift)["tasks"]["default"]["done"]:
+            break
         greedy(swift, test_prompts[:8], 8)
     report = search_report(swift)
+    assert report["tasks"]["default"]["done"], "the search did not end"
     search = report["tasks"]["default"]
     assert search["iterations"] <= SEARCHING["max_iterations"]
     late = search["windows"][-3:]
@@ -78,6 +81,28 @@ def test_tasks_search_separately(swift, test_prompts):
     tasks = search_report(swift)["tasks"]
     assert tasks["prose"]["iterations"] > 0
     assert not tasks["prose"]["done"]
+
+
+def test_task_keys_cannot_write_outside_export_dir_or_grow_state(swift, test_prompts,
+                                                                 tmp_path):
+    """Traversal and absolute-path keys, odd types and more new keys than
+    max_tasks all end in "default": no file appears outside export_dir, and the
+    searches held stay within max_tasks."""
+    from vllm import SamplingParams
+
+    outside = tmp_path / "escaped"
+    keys = ["../../escaped", str(outside), "a/b", "", "x" * 65, 7,
+            *[f"client{i}" for i in range(12)]]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                             extra_args={"selfspec_task": key}) for key in keys]
+    swift.generate([test_prompts[0]] * len(keys), params, use_tqdm=False)
+    report = search_report(swift)
+    assert not list(tmp_path.rglob("*.json")) and not outside.exists()
+    assert not list(swift.export_dir.parent.glob("*.json"))
+    assert set(report["refused_task_keys"]) == {"invalid", "over_max_tasks"}
+    assert report["refused_task_keys"]["invalid"] >= 6
+    (state,) = swift.collective_rpc("selfspec_state")
+    assert state["requests_with_state"]["tasks"] == len(report["tasks"]) <= 8
 
 
 def test_tensor_parallel_ranks_agree(tiny_llama_dir, tiny_llama_outputs, test_prompts,
@@ -105,6 +130,7 @@ def test_tensor_parallel_ranks_agree(tiny_llama_dir, tiny_llama_outputs, test_pr
         ({"confidence": 2}, r"confidence: 2\.0 is outside \[0, 1\]"),
         ({"bayes_interval": -1}, r"bayes_interval: -1 must be >= 0"),
         ({"skip_set": [1]}, r"unknown key\(s\) \['skip_set'\]"),
+        ({"max_tasks": 0}, r"max_tasks: 0 must be >= 1"),
     ],
 )
 def test_bad_configs_fail_at_start_up(model_dir, spec, message):

@@ -95,8 +95,9 @@ class SelfSpecProposer(DraftModelProposer):
         self.runner = runner
         self.options = self.speculative_config
         self.vocab_mapping = None
-        # Drafts each request got last round, to turn rejections into feedback.
-        self._drafted_last_round: dict[str, int] = {}
+        # Drafts vLLM scheduled (so verified) per request in the forward that
+        # just ran, in batch order; None when it verified none.
+        self._verified_drafts: list[int] | None = None
         self.counters = DraftCounters()
 
     # --- what a method states -------------------------------------------------
@@ -112,16 +113,17 @@ class SelfSpecProposer(DraftModelProposer):
         """Bool per request: stop drafting after this step's token. None: never."""
         return None
 
-    def forget_finished(self, active_req_ids: set[str]) -> None:
-        """Drop per-request state of requests no longer in the batch."""
+    def forget_finished(self, live_req_ids: set[str]) -> None:
+        """Drop per-request state of requests vLLM no longer holds (finished
+        or aborted); preempted and unscheduled requests keep theirs."""
 
     def begin_round(self, req_ids: list[str], verified: VerifiedTokens) -> None:
         """Look at the forward that just ran (called before drafting)."""
 
     def per_request_state(self) -> dict[str, int]:
-        """Requests with state held now, per kind of state: the last round's
-        batch at most, so growth after requests finish is a leak."""
-        return {"drafted_last_round": len(self._drafted_last_round)}
+        """Requests with state held now, per kind of state: the requests vLLM
+        holds at most, so growth after requests finish is a leak."""
+        return {}
 
     # --- vLLM's proposer interface -------------------------------------------
     def draft_depth(self, num_layers: int) -> int:
@@ -223,7 +225,12 @@ class SelfSpecProposer(DraftModelProposer):
         slot_mappings=None,
     ) -> torch.Tensor:
         req_ids = list(self.runner.input_batch.req_ids)
-        self._feed_back(req_ids, num_rejected_tokens_gpu)
+        verified, self._verified_drafts = self._verified_drafts, None
+        if num_rejected_tokens_gpu is not None and verified is not None:
+            for req_id, accepted, scheduled in verified_feedback(
+                    req_ids, verified, num_rejected_tokens_gpu.tolist()):
+                self.observe_round(req_id, accepted, scheduled)
+        self.forget_finished(set(self.runner.requests))
         batch_size = common_attn_metadata.batch_size()
         if token_indices_to_sample is None:
             token_indices_to_sample = common_attn_metadata.query_start_loc[1:] - 1
@@ -238,7 +245,11 @@ class SelfSpecProposer(DraftModelProposer):
             (batch_size, num_speculative_tokens), NO_DRAFT, dtype=torch.int64,
             device=self.device,
         )
-        drafting = torch.ones(batch_size, dtype=torch.bool, device=self.device)
+        # A request whose prompt is still prefilling in chunks has no token to
+        # continue from yet (vLLM discards its sample): it drafts nothing.
+        drafting = ~self.runner.discard_request_mask.gpu[:batch_size]
+        if not bool(drafting.any()):
+            return drafts
         # The round's tokens so far: the sampled token, then each step's draft.
         round_tokens = next_token_ids.view(batch_size, 1)
         for step in range(num_speculative_tokens):
@@ -254,8 +265,16 @@ class SelfSpecProposer(DraftModelProposer):
                 drafting &= ~stop
             if (is_draft is not None or stop is not None) and not bool(drafting.any()):
                 break
-        self._record_round(req_ids, drafts)
         return drafts
+
+    def prepare_inputs_padded(self, common_attn_metadata, spec_decode_metadata,
+                              valid_sampled_tokens_count):
+        """vLLM's, noting how many drafts it scheduled per request: only those
+        were verified (budget and structured-output trims, chunked prefill drop
+        the rest), so only those become acceptance feedback."""
+        self._verified_drafts = list(spec_decode_metadata.num_draft_tokens)
+        return super().prepare_inputs_padded(common_attn_metadata, spec_decode_metadata,
+                                             valid_sampled_tokens_count)
 
     # --- the draft loop's pieces ---------------------------------------------
     def _decode_metadata(
@@ -365,19 +384,12 @@ class SelfSpecProposer(DraftModelProposer):
         )
         return window, positions
 
-    # --- per-request feedback ------------------------------------------------
-    def _feed_back(
-        self, req_ids: list[str], num_rejected_tokens_gpu: torch.Tensor | None
-    ) -> None:
-        drafted_last_round, self._drafted_last_round = self._drafted_last_round, {}
-        if num_rejected_tokens_gpu is not None:
-            rejected = num_rejected_tokens_gpu.tolist()
-            for req_id, num_rejected in zip(req_ids, rejected):
-                drafted = drafted_last_round.get(req_id, 0)
-                if drafted:
-                    self.observe_round(req_id, max(drafted - num_rejected, 0), drafted)
-        self.forget_finished(set(req_ids))
 
-    def _record_round(self, req_ids: list[str], drafts: torch.Tensor) -> None:
-        counts = (drafts != NO_DRAFT).sum(dim=1).tolist()
-        self._drafted_last_round = dict(zip(req_ids, counts))
+def verified_feedback(req_ids: list[str], verified: list[int], rejected: list[int]
+                      ) -> list[tuple[str, int, int]]:
+    """(request, accepted, verified) for each request that had drafts verified
+    in the forward that just ran: vLLM reports 0 rejected for a request whose
+    drafts it did not schedule, which must not count as accepted."""
+    return [(req_id, max(scheduled - num_rejected, 0), scheduled)
+            for req_id, scheduled, num_rejected in zip(req_ids, verified, rejected)
+            if scheduled > 0]

@@ -134,8 +134,8 @@ class DraftVerifyProposer(SelfSpecProposer):
             )
         return confidence < self._round_gammas
 
-    def forget_finished(self, active_req_ids: set[str]) -> None:
-        for req_id in set(self.thresholds) - active_req_ids:
+    def forget_finished(self, live_req_ids: set[str]) -> None:
+        for req_id in set(self.thresholds) - live_req_ids:
             del self.thresholds[req_id]
 
     def per_request_state(self) -> dict[str, int]:

@@ -190,8 +190,8 @@ class DelProposer(EarlyExitProposer):
         counts = torch.zeros(batch_size, 4, num_exits, device=self.device)
         return counts.index_add_(0, owner, per_row)
 
-    def forget_finished(self, active_req_ids: set[str]) -> None:
-        for req_id in set(self.exit_stats) - active_req_ids:
+    def forget_finished(self, live_req_ids: set[str]) -> None:
+        for req_id in set(self.exit_stats) - live_req_ids:
             del self.exit_stats[req_id]
 
     def per_request_state(self) -> dict[str, int]:

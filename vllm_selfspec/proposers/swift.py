@@ -13,7 +13,11 @@ runs and nothing after.
 
 State is per task: a request names its task in `SamplingParams.extra_args`
 (`{"selfspec_task": "code"}`, `vllm_xargs` over HTTP); requests without one
-share the task "default". A round drafts with the skip set of the task most of
+share the task "default". A task key is 1-64 characters of [A-Za-z0-9_-]
+(it names an exported file); a request with any other key, or with a new key
+once `max_tasks` searches exist, joins "default" (counted in the search
+report), so a client can neither write outside `export_dir` nor grow the
+server's state. A round drafts with the skip set of the task most of
 its requests belong to. Eager engines draft with each new incumbent at once;
 compiled engines keep the uniform set's compiled graph while a task's search
 runs and draft its final set, uncompiled, once the search ends (compiling a
@@ -31,6 +35,7 @@ rank 0's scores, so all ranks hold the same search and draft the same set.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -51,6 +56,21 @@ from vllm_selfspec.workers.skip_search import (
 
 TASK_KEY = "selfspec_task"
 DEFAULT_TASK = "default"
+TASK_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def task_name(key: object) -> str | None:
+    """A request's task key if it is a valid task name, else None."""
+    return key if isinstance(key, str) and TASK_NAME.fullmatch(key) else None
+
+
+def export_path(export_dir: str, task: str) -> Path:
+    """`<export_dir>/<task>.json`, refused unless it stays inside export_dir."""
+    root = Path(export_dir).resolve()
+    path = (root / f"{task}.json").resolve()
+    if task_name(task) is None or path.parent != root:
+        raise ValueError(f"task {task!r} is not a valid task name")
+    return path
 
 
 @config
@@ -80,15 +100,18 @@ class SwiftConfig(SelfSpecConfig):
     export_dir: str | None = None
     """When a task's search ends, write its set there as `<task>.json`, a
     config file for `draft_verify` (default: not written)."""
+    max_tasks: int | None = None
+    """Most task searches held at once, "default" included (default 8); a
+    request with a new key beyond that joins "default"."""
 
     default_num_speculative_tokens = 25
     own_fields = ("skip_ratio", "context_window", "optimise_every", "bayes_interval",
                   "bayes_kappa", "stop_matchness", "max_tolerance", "max_iterations",
-                  "confidence", "search_seed", "export_dir")
+                  "confidence", "search_seed", "export_dir", "max_tasks")
     defaults = {"skip_ratio": 0.45, "context_window": 32, "optimise_every": 1,
                 "bayes_interval": 25, "bayes_kappa": 2.5, "stop_matchness": 0.95,
                 "max_tolerance": 300, "max_iterations": 1000, "confidence": 0.8,
-                "search_seed": 0}
+                "search_seed": 0, "max_tasks": 8}
 
     def validate_method_fields(self) -> None:
         for name in ("skip_ratio", "stop_matchness", "confidence"):
@@ -96,7 +119,8 @@ class SwiftConfig(SelfSpecConfig):
                 raise SelfSpecConfigError(
                     f"speculative_config.{name}: {getattr(self, name)} is outside [0, 1]; "
                     f"SWIFT's default is {self.defaults[name]}.")
-        for name in ("context_window", "optimise_every", "max_tolerance", "max_iterations"):
+        for name in ("context_window", "optimise_every", "max_tolerance", "max_iterations",
+                     "max_tasks"):
             if getattr(self, name) < 1:
                 raise SelfSpecConfigError(
                     f"speculative_config.{name}: {getattr(self, name)} must be >= 1.")
@@ -129,6 +153,7 @@ class SwiftProposer(SelfSpecProposer):
         super().__init__(*args, **kwargs)
         self.searches: dict[str, SkipSetSearch] = {}
         self.window_owner: dict[str, str] = {}  # task -> request scored on
+        self.refused_keys = Counter()  # task keys sent to "default", by reason
         self.engine_steps = 0
         self.optimise_seconds = 0.0  # for reports only, never for decisions
         from vllm.config import CompilationMode
@@ -148,8 +173,21 @@ class SwiftProposer(SelfSpecProposer):
 
     # --- tasks ---------------------------------------------------------------
     def task_of(self, req_id: str) -> str:
+        """The request's task: its valid key, else "default" (see the module
+        docstring); refusals are counted, not logged per request."""
         extra = self.runner.requests[req_id].sampling_params.extra_args or {}
-        return str(extra.get(TASK_KEY, DEFAULT_TASK))
+        key = extra.get(TASK_KEY)
+        if key is None:
+            return DEFAULT_TASK
+        task = task_name(key)
+        if task is None:
+            self.refused_keys["invalid"] += 1
+            return DEFAULT_TASK
+        held = set(self.searches) | {DEFAULT_TASK}  # "default" always has a place
+        if task not in held and len(held) >= self.options.max_tasks:
+            self.refused_keys["over_max_tasks"] += 1
+            return DEFAULT_TASK
+        return task
 
     def search_for(self, task: str) -> SkipSetSearch:
         if task not in self.searches:
@@ -243,8 +281,8 @@ class SwiftProposer(SelfSpecProposer):
 
         if get_tp_group().rank_in_group != 0:
             return
-        out = Path(self.options.export_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        path = export_path(self.options.export_dir, task)
+        path.parent.mkdir(parents=True, exist_ok=True)
         best = search.incumbent
         settings = {"attn_skip": best.attn_skip, "mlp_skip": best.mlp_skip,
                     "num_speculative_tokens": self.options.num_speculative_tokens}
@@ -256,22 +294,25 @@ class SwiftProposer(SelfSpecProposer):
                         f"{search.iterations} candidates",
             "matchness": search.windows[-1],
         }
-        (out / f"{task}.json").write_text(json.dumps(record, indent=2))
+        path.write_text(json.dumps(record, indent=2))
 
     def search_report(self) -> dict:
         return {"tasks": {task: search.report() for task, search in self.searches.items()},
                 "drafting": {"attn_skip": self.drafting_set.attn_skip,
                              "mlp_skip": self.drafting_set.mlp_skip},
-                "optimise_seconds": self.optimise_seconds}
+                "optimise_seconds": self.optimise_seconds,
+                "refused_task_keys": dict(self.refused_keys)}
 
-    def forget_finished(self, active_req_ids: set[str]) -> None:
+    def forget_finished(self, live_req_ids: set[str]) -> None:
         for task, owner in list(self.window_owner.items()):
-            if owner not in active_req_ids:
+            if owner not in live_req_ids:
                 del self.window_owner[task]
 
     def per_request_state(self) -> dict[str, int]:
-        """Window owners are requests; searches are per task, not request."""
-        return {**super().per_request_state(), "window_owners": len(self.window_owner)}
+        """Window owners are requests; searches are per task (at most
+        `max_tasks`), reported beside them."""
+        return {**super().per_request_state(), "window_owners": len(self.window_owner),
+                "tasks": len(self.searches)}
 
 
 CONFIG_CLASS = SwiftConfig

@@ -103,11 +103,9 @@ class SelfSpecWorkerExtension:
 
     def selfspec_set_option(self, name: str, value) -> None:
         """Change a method option the drafter reads every round (e.g. AdaDecode's
-        threshold), for sweeps in one engine."""
-        options = self.model_runner.drafter.options
-        if name not in options.own_fields:
-            raise ValueError(f"{name} is not an option of {options.method}")
-        setattr(options, name, value)
+        threshold), for sweeps in one engine; the value is type-checked and the
+        method's own checks run, else nothing changes."""
+        set_option(self.model_runner.drafter.options, name, value)
 
     def selfspec_trace(self, start: bool = False) -> dict | None:
         """The drafter's per-round choices per request (DEL); `start` clears
@@ -177,11 +175,51 @@ def measure_step_costs(worker, batch_size: int = 1, repeats: int = 30) -> dict:
     }
 
 
+# Options a running drafter may take over RPC: read every round, and not part
+# of any compiled graph or file path.
+SETTABLE_OPTIONS = frozenset({
+    "threshold", "adaptive_threshold", "target_acceptance", "threshold_step",
+    "acceptance_smoothing", "threshold_smoothing", "exit_layer", "draft_length",
+    "step_overhead", "decay", "confidence"})
+
+
+def set_option(options, name: str, value) -> None:
+    from pydantic import TypeAdapter, ValidationError
+
+    from vllm_selfspec.config import SelfSpecConfigError, eval_field_type
+
+    if not isinstance(name, str) or name not in SETTABLE_OPTIONS or (
+            name not in options.own_fields):
+        raise ValueError(f"{name!r} is not an option of {options.method} that can change "
+                         f"while serving; those are {sorted(SETTABLE_OPTIONS & set(options.own_fields))}")
+    field_type = eval_field_type(type(options), type(options).__dataclass_fields__[name].type)
+    try:
+        value = TypeAdapter(field_type).validate_python(value)
+    except ValidationError as error:
+        raise ValueError(f"{name}: {error.errors()[0]['msg']}") from None
+    previous = getattr(options, name)
+    setattr(options, name, value)
+    try:
+        options.validate_method_fields()
+        if options.target_model_config is not None:
+            options.validate_for_model(options.target_model_config.hf_config.num_hidden_layers)
+    except SelfSpecConfigError:
+        setattr(options, name, previous)
+        raise
+
+
 def set_skip_set(worker, attn_skip: list[int], mlp_skip: list[int]) -> str:
-    """Make the drafter skip these sub-blocks (used by the skip-set search)."""
+    """Make the drafter skip these sub-blocks (used by the skip-set search);
+    indices are checked like a config's."""
+    from vllm_selfspec.config import check_layer_indices
     from vllm_selfspec.workers.draft_model import LayerPlan
 
     drafter = worker.model_runner.drafter
-    plan = LayerPlan.skipping(drafter.model.plan.num_layers, attn_skip, mlp_skip)
+    num_layers = drafter.model.plan.num_layers
+    for field, indices in (("attn_skip", attn_skip), ("mlp_skip", mlp_skip)):
+        if not isinstance(indices, list) or not all(isinstance(i, int) for i in indices):
+            raise ValueError(f"{field}: give a list of layer indices")
+        check_layer_indices(field, indices, num_layers)
+    plan = LayerPlan.skipping(num_layers, attn_skip, mlp_skip)
     drafter.replace_layer_plan(plan)
     return plan.describe()
