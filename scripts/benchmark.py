@@ -6,7 +6,7 @@ a time, greedy. Decode tokens/s is taken from vLLM's per-request timestamps
 (first to last token), so prefill is excluded. Results go to
 results/<name>.json and a PNG plot.
 
-    python scripts/benchmark.py --quick            # plain vs draft_verify (setup's main job)
+    python scripts/benchmark.py --quick            # plain, ngram, recommended (setup's main job)
     python scripts/benchmark.py                    # + ngram, draft_model, full-depth draft
     python scripts/benchmark.py --model qwen2.5-coder-0.5b
 """
@@ -18,6 +18,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,20 @@ from vllm_selfspec.workers.exit_heads import ExitHeads
 from vllm_selfspec.workers.profiling import WORKER_EXTENSION
 
 RESULTS = ROOT / "results"
+# Where progress bars, the table and its reading go: the terminal, also when
+# the engines' own logs are sent to a file (`--log-file`).
+CONSOLE = sys.stderr
+
+
+def send_engine_logs_to(path: Path) -> None:
+    """Point this process's stdout and stderr, which vLLM's logging and every
+    engine process inherit, at `path`, keeping the terminal as CONSOLE."""
+    global CONSOLE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    CONSOLE = os.fdopen(os.dup(2), "w", buffering=1)
+    log = path.open("a")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
 
 
 def del_heads(model: str) -> str | None:
@@ -52,13 +67,19 @@ def del_config(args) -> dict:
     return {"method": "del", "exit_layer_stride": 2}
 
 
+# The target as its own draft, 4 tokens every round (no exit threshold, no
+# cost-aware budget): what a full-depth draft costs (c) and how often a
+# low-precision one agrees with the target.
+FULL_DEPTH = {"method": "draft_verify", "num_speculative_tokens": 4,
+              "adaptive_threshold": False, "threshold": 0.0, "cost_aware": False}
+
+
 def method_configs(model_dir: Path, args) -> dict[str, dict | None]:
     config_file = args.model
     configs = {
         "plain": None,
         "draft_verify": {"method": "draft_verify", "config_file": config_file},
-        "draft_verify_full_depth": {"method": "draft_verify", "num_speculative_tokens": 4,
-                                    "adaptive_threshold": False, "threshold": 0.0},
+        "draft_verify_full_depth": FULL_DEPTH,
         "ngram": {"method": "ngram", "num_speculative_tokens": 4,
                   "prompt_lookup_max": 4, "prompt_lookup_min": 2},
         "draft_model_self": {"method": "draft_model", "model": str(model_dir),
@@ -68,8 +89,16 @@ def method_configs(model_dir: Path, args) -> dict[str, dict | None]:
         configs["adadecode"] = {"method": "adadecode", "heads": config_file}
     configs["del"] = del_config(args)
     configs["swift"] = {"method": "swift"}
+    configs["recommended"] = recommended_config(args.model)
     configs.update(cheap_draft_configs(args))
     return configs
+
+
+def recommended_config(model: str) -> dict:
+    """The README's one short config: the whole model as its own draft over an
+    int8 copy of its weights and its draft vocabulary, cost-aware."""
+    vocab = {"draft_vocab": model} if (CONFIGS_DIR / "vocab" / f"{model}.json").exists() else {}
+    return {"method": "draft_verify", "draft_precision": "int8", **vocab}
 
 
 def cheap_draft_configs(args) -> dict[str, dict]:
@@ -78,8 +107,7 @@ def cheap_draft_configs(args) -> dict[str, dict]:
     method with int8 weights and the vocabulary (`<method>_int8_vocab`)."""
     vocab = args.model if (CONFIGS_DIR / "vocab" / f"{args.model}.json").exists() else None
     precisions = ["auto", "int8"] + (["int4"] if args.dtype == "bfloat16" else [])
-    full_depth = {"method": "draft_verify", "num_speculative_tokens": 4,
-                  "adaptive_threshold": False, "threshold": 0.0}
+    full_depth = FULL_DEPTH
     configs = {}
     for precision in precisions:
         for subset in ([None, vocab] if vocab else [None]):
@@ -217,7 +245,7 @@ def measure(llm, run: Run, prompts: list[str], args) -> None:
 
 def generate_batches(llm, prompts: list[str], params, batch: int, desc: str):
     """Outputs of `prompts`, `batch` requests in flight together."""
-    for start in tqdm(range(0, len(prompts), batch), desc=desc, leave=False):
+    for start in tqdm(range(0, len(prompts), batch), desc=desc, leave=False, file=CONSOLE):
         yield from llm.generate(prompts[start:start + batch], params, use_tqdm=False)
 
 
@@ -248,7 +276,7 @@ def threshold_sweep(model_dir: Path, prompts: list[str], plain: Run, args) -> li
     spec = {"method": "adadecode", "heads": args.model}
     llm = start(model_dir, spec, args)
     runs = []
-    for threshold in tqdm(args.threshold_sweep, desc="thresholds"):
+    for threshold in tqdm(args.threshold_sweep, desc="thresholds", file=CONSOLE):
         llm.collective_rpc("selfspec_set_option", args=("threshold", threshold))
         run = Run(f"adadecode@{threshold}", {**spec, "threshold": threshold})
         measure(llm, run, prompts, args)
@@ -265,7 +293,7 @@ def static_exit_grid(model_dir: Path, prompts: list[str], plain: Run, args) -> l
     llm = start(model_dir, spec, args)
     runs = []
     points = [(e, g) for e in args.exit_layers for g in args.del_grid]
-    for exit_layer, length in tqdm(points, desc="static exits"):
+    for exit_layer, length in tqdm(points, desc="static exits", file=CONSOLE):
         llm.collective_rpc("selfspec_set_option", args=("exit_layer", exit_layer))
         llm.collective_rpc("selfspec_set_option", args=("draft_length", length))
         run = Run(f"static E={exit_layer} g={length}",
@@ -467,7 +495,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--quick", action="store_true",
-                        help="plain vs draft_verify on 4+4 prompts, 64 tokens")
+                        help="plain, ngram and the recommended setting on 4+4 prompts, "
+                             "64 tokens; engine logs to a file")
     parser.add_argument("--methods", help="comma-separated subset of the methods")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -475,6 +504,9 @@ def main() -> None:
     parser.add_argument("--dtype", default=fast_dtype(),
                         help="(default: bfloat16 where the hardware has it, else float32)")
     parser.add_argument("--eager", action="store_true", help="no torch.compile")
+    parser.add_argument("--log-file", type=Path,
+                        help="send the engines' logs here (default with --quick: "
+                             "results/logs/<name>.log; otherwise the terminal)")
     parser.add_argument("--batch-size", type=int, default=1,
                         help="requests decoded together (tokens/s then counts all of them)")
     parser.add_argument("--name", help="results file stem")
@@ -497,9 +529,15 @@ def main() -> None:
                              "whose text turns from code to prose")
     args = parser.parse_args()
     if args.quick:
-        args.methods = args.methods or "plain,draft_verify"
+        args.methods = args.methods or "plain,ngram,recommended"
         args.max_tokens, args.repeats = 64, 1
 
+    name = args.name or f"{args.model}-{args.dtype}{'-quick' if args.quick else ''}"
+    if args.quick and args.log_file is None:
+        args.log_file = RESULTS / "logs" / f"{name}.log"
+    if args.log_file is not None:
+        print(f"engine logs: {args.log_file}", file=CONSOLE)
+        send_engine_logs_to(args.log_file)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     model_dir = ROOT / "models" / args.model
     if not model_dir.exists():
@@ -522,13 +560,12 @@ def main() -> None:
     if "plain" not in chosen:
         chosen.insert(0, "plain")
     runs = [Run(name, configs[name]) for name in chosen]
-    for run in tqdm(runs, desc="engines"):
+    for run in tqdm(runs, desc="engines", file=CONSOLE):
         run_engine(run, model_dir, prompts, args)
     if args.del_step_overhead:
         runs.append(del_with_step_overhead(runs, model_dir, prompts, args))
 
     rows = summarize(runs, args.num_layers)
-    name = args.name or f"{args.model}-{args.dtype}{'-quick' if args.quick else ''}"
     sweep = threshold_sweep(model_dir, prompts, runs[0], args) if args.threshold_sweep else []
     grid = static_exit_grid(model_dir, prompts, runs[0], args) if args.del_grid else []
     trace = del_trace(model_dir, prompt_sets.as_chat(
@@ -557,21 +594,48 @@ def main() -> None:
     for run in runs:
         if run.search_iterations:
             plot_swift_search(run, runs[0], RESULTS / f"{name}-search.png", args.model)
+    print_table(rows + sweep + grid, args, len(prompts))
+    print(f"saved {RESULTS / name}.json and .png", file=CONSOLE)
+
+
+def print_table(rows: list[dict], args, num_prompts: int) -> None:
     print(f"\n{args.model} {args.dtype}: decode tokens/s at batch "
-          f"{args.batch_size} ({len(prompts)} prompts, {args.max_tokens} new tokens, "
-          f"{args.repeats} repeats); CPU flags: {' '.join(cpu_flags())}")
+          f"{args.batch_size} ({num_prompts} prompts, {args.max_tokens} new tokens, "
+          f"{args.repeats} repeats); CPU flags: {' '.join(cpu_flags())}", file=CONSOLE)
     header = ("method", "tok/s", "speed-up", "spread", "accept", "acc len", "identical",
               "c", "S*", "meas/S*")
     line = "{:<26}{:>7}{:>9}{:>12}{:>8}{:>9}{:>10}{:>6}{:>6}{:>8}"
-    print(line.format(*header))
-    for row in rows + sweep + grid:
+    print(line.format(*header), file=CONSOLE)
+    for row in rows:
         spread = "{:.2f}-{:.2f}".format(*row["speedup_spread"])
         print(line.format(
             row["method"], row["tokens_per_s"], f"{row['speedup']:.2f}x", spread,
             _fmt(row["acceptance"]), _fmt(row["mean_accepted_length"]),
             row["identical_to_plain"], _fmt(row.get("draft_step_cost_ratio")),
-            _fmt(row.get("ideal_speedup_S*")), _fmt(row.get("measured_over_S*"))))
-    print(f"saved {RESULTS / name}.json and .png")
+            _fmt(row.get("ideal_speedup_S*")), _fmt(row.get("measured_over_S*"))),
+            file=CONSOLE)
+    print(reading(rows, args.dtype), file=CONSOLE)
+
+
+def reading(rows: list[dict], dtype: str) -> str:
+    """One paragraph saying what the table shows."""
+    best = max(rows[1:], key=lambda row: row["speedup"], default=None)
+    if best is None:
+        return ""
+    low, high = best["speedup_spread"]
+    text = (f"Reading: the fastest setting here is {best['method']}, {best['speedup']:.2f}x "
+            f"plain vLLM (repeats {low:.2f}-{high:.2f}x)")
+    ngram = next((row for row in rows if row["method"] == "ngram"), None)
+    if ngram is not None and ngram is not best:
+        text += f"; vLLM's ngram gives {ngram['speedup']:.2f}x on the same prompts"
+    text += ". 'identical' counts outputs equal to plain vLLM's word for word"
+    if dtype != "float32":
+        text += (f": in {dtype} a verification step scores several tokens at once, "
+                 "whose rounding differs from one-token steps, so a near-tie between two "
+                 "tokens can flip and the text diverge from there (vLLM's own ngram and "
+                 "draft_model do the same); in float32 every method's greedy output "
+                 "equals plain vLLM's token for token (the test suite checks it)")
+    return text + "."
 
 
 def _fmt(value) -> str:

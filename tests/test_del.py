@@ -44,7 +44,7 @@ def test_exit_layer_moves_with_the_content(dynamic_exit):
     """One request whose text changes as it goes: the per-layer acceptance
     estimates move with it, and so does the chosen exit layer, between layers
     (the shipped DEL heads have dense shallow exits, where tokens per loaded
-    layer can favour one exit over another; see the README)."""
+    layer can favour one exit over another; see docs/design.md)."""
     from vllm import SamplingParams
 
     prompt = f"<|im_start|>user\n{CODE_THEN_STORY}<|im_end|>\n<|im_start|>assistant\n"

@@ -14,10 +14,10 @@ from vllm_selfspec.workers.draft_weights import (
     DraftHead,
     Int4Linear,
     Int8Linear,
+    low_precision_clone,
     quantize_int4,
     quantize_int8,
     replace_linears,
-    low_precision_clone,
     stash_low_precision_copy,
 )
 

@@ -11,19 +11,20 @@ import argparse
 
 import pytest
 
+from tests.conftest import forced
+
 
 @pytest.fixture(scope="module")
 def reports(model_dir, tmp_path_factory):
-    from transformers import AutoTokenizer
-
     from load_test import METHOD_SPECS, build_requests, load_run, server_args
     from serving import vllm_serve
+    from transformers import AutoTokenizer
 
     args = argparse.Namespace(clients=32, duration=45, max_num_seqs=32, kv_blocks=64)
     plan = build_requests(200, str(model_dir), AutoTokenizer.from_pretrained(model_dir))
     logs = tmp_path_factory.mktemp("load")
     found, reference = {}, None
-    for name, spec in (("plain", None), ("adadecode", METHOD_SPECS["adadecode"])):
+    for name, spec in (("plain", None), ("adadecode", forced(METHOD_SPECS["adadecode"]))):
         with vllm_serve(model_dir, spec, logs / f"{name}.log", server_args(args),
                         env={"VLLM_CPU_KVCACHE_SPACE": "1"}, dev_mode=True) as server:
             found[name], greedy = load_run(server, name, plan, args, reference)

@@ -58,3 +58,27 @@ def test_rpc_options_are_validated():
         with pytest.raises(ValueError, match=r"is not an option of draft_verify that can "
                                              r"change while serving"):
             set_option(options, name, [1])
+
+
+def test_draft_budget_declines_when_drafting_loses_and_probes_again():
+    from vllm_selfspec.workers.draft_payoff import (
+        DraftPayoff,
+        StepCosts,
+        best_budget,
+        expected_tokens,
+        round_budget,
+    )
+
+    assert expected_tokens(0.5, 2) == 1.75
+    cheap, dear = StepCosts(draft=0.3, verify_per_token=0.05), StepCosts(1.0, 0.05)
+    assert best_budget(0.9, cheap, 8, 0.05) >= 4   # cheap and accepted: draft long
+    assert best_budget(0.9, dear, 8, 0.05) == 0    # a draft step as dear as a plain one
+    assert best_budget(0.2, cheap, 8, 0.05) == 0   # cheap but mostly rejected
+    payoff = DraftPayoff()
+    for _ in range(10):  # every round rejected at once
+        payoff.update(accepted=0, verified=2, decay=0.8)
+    budgets = [round_budget(payoff, cheap, 8, 0.6, 0.05, probe_every=4) for _ in range(8)]
+    assert budgets == [0, 0, 0, 1, 0, 0, 0, 1]  # declines, probing every 4th round
+    for _ in range(10):  # the text turned predictable: every draft accepted
+        payoff.update(accepted=4, verified=4, decay=0.8)
+    assert round_budget(payoff, cheap, 8, 0.6, 0.05, probe_every=4) >= 4

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import requests
 
+from tests.conftest import forced
+
 SPECS = {
     "draft_verify": {"method": "draft_verify", "config_file": "smollm2-135m"},
     "adadecode": {"method": "adadecode", "heads": "smollm2-135m", "threshold": 0.5},
@@ -23,7 +25,7 @@ def server(request, model_dir, tmp_path_factory):
             "--block-size", "32", "--max-num-seqs", "8"]
     log = tmp_path_factory.mktemp("server") / "serve.log"
     try:
-        with vllm_serve(model_dir, SPECS[request.param], log, args,
+        with vllm_serve(model_dir, forced(SPECS[request.param]), log, args,
                         env={"VLLM_CPU_KVCACHE_SPACE": "1"}, start_timeout=300) as running:
             yield running
     except RuntimeError as error:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import identity_heads, run_tensor_parallel
+from tests.conftest import forced, identity_heads, run_tensor_parallel
 
 SKIP_ONE = {"method": "draft_verify", "attn_skip": [1], "num_speculative_tokens": 3}
 ADADECODE = {"method": "adadecode", "threshold": 0.0}  # + identity heads at layer 1
@@ -70,7 +70,7 @@ def test_ray_executor_serves(method, local_ray, tiny_llama_dir, tiny_heads,
             "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"]
     env = {"RAY_ADDRESS": local_ray, "SELFSPEC_RAY_CPU": "1", "VLLM_HOST_IP": "127.0.0.1",
            "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with vllm_serve(tiny_llama_dir, spec, tmp_path / "serve.log", args, env=env,
+    with vllm_serve(tiny_llama_dir, forced(spec), tmp_path / "serve.log", args, env=env,
                     dev_mode=True) as server:
         outputs = [requests.post(f"{server.url}/v1/completions", json={
             "model": str(tiny_llama_dir), "prompt": prompt, "max_tokens": 48,

@@ -42,7 +42,8 @@ SUPPORTED_ARCHITECTURES = (
 
 
 # Keys every method takes (beside num_speculative_tokens and config_file).
-COMMON_FIELDS = ("draft_precision", "draft_vocab", "draft_vocab_size")
+COMMON_FIELDS = ("draft_precision", "draft_vocab", "draft_vocab_size", "cost_aware",
+                 "probe_every")
 DRAFT_PRECISIONS = ("auto", "bf16", "int8", "int4")
 
 
@@ -80,6 +81,13 @@ class SelfSpecConfig(SpeculativeConfig):
     this model). Drafts never leave the subset; verification uses the full head."""
     draft_vocab_size: int | None = None
     """Tokens of the draft_vocab file to keep (default: the file's own size)."""
+    cost_aware: bool | None = None
+    """Draft only as many tokens per request and round as pay for themselves,
+    given the draft step's measured cost and the request's own acceptance
+    (zero included: then the step is plain decoding). Default true."""
+    probe_every: int | None = None
+    """A request that stopped drafting drafts one token every this many rounds,
+    to notice when its text turns predictable (default 16)."""
 
     # Defaults a method module sets; None means "not given by the user".
     default_num_speculative_tokens: ClassVar[int] = 4
@@ -133,6 +141,7 @@ class SelfSpecConfig(SpeculativeConfig):
 
         factors = [super().compute_hash(), self.method, self.method_hash_factors(),
                    self.draft_precision, self.draft_vocab, self.draft_vocab_size]
+        # cost_aware and probe_every change no graph: not hashed.
         return safe_hash(str(factors).encode(), usedforsecurity=False).hexdigest()
 
     # --- helpers ------------------------------------------------------------
@@ -219,6 +228,13 @@ class SelfSpecConfig(SpeculativeConfig):
     def _validate_draft_weights_fields(self) -> None:
         if self.draft_precision is None:
             self.draft_precision = "auto"
+        if self.cost_aware is None:
+            self.cost_aware = True
+        if self.probe_every is None:
+            self.probe_every = 16
+        if self.probe_every < 1:
+            raise SelfSpecConfigError(
+                f"speculative_config.probe_every: {self.probe_every} must be >= 1.")
         if self.draft_precision not in DRAFT_PRECISIONS:
             raise SelfSpecConfigError(
                 f"speculative_config.draft_precision: '{self.draft_precision}' is not "

@@ -30,6 +30,7 @@ import torch
 from vllm.config.utils import config
 
 from vllm_selfspec.config import SelfSpecConfigError
+from vllm_selfspec.draft_tokens import top1_probability
 from vllm_selfspec.proposers.early_exit import EarlyExitConfig, EarlyExitProposer
 
 
@@ -84,8 +85,7 @@ class AdaDecodeProposer(EarlyExitProposer):
                 hidden_states, residual, head_input = segment(
                     input_ids, window_positions, hidden_states, residual)
                 logits = self.model.compute_logits(head_input[newest])
-                confident = logits.float().softmax(dim=-1).amax(dim=-1) > (
-                    self.options.threshold)
+                confident = top1_probability(logits) > self.options.threshold
                 take = confident & ~exited
                 chosen = logits if chosen is None else torch.where(
                     take.view(-1, 1), logits, chosen)

@@ -39,6 +39,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
 from vllm_selfspec.config import SelfSpecConfig
+from vllm_selfspec.draft_tokens import NO_DRAFT
 from vllm_selfspec.models import adapter_for
 from vllm_selfspec.workers.draft_model import (
     EagerPlanDraft,
@@ -46,8 +47,15 @@ from vllm_selfspec.workers.draft_model import (
     LayerSubsetDraft,
     key_compile_cache,
 )
+from vllm_selfspec.workers.draft_payoff import DraftPayoff, StepCosts, round_budget
 from vllm_selfspec.workers.draft_weights import DraftWeights
-from vllm_selfspec.workers.hooks import NO_DRAFT
+
+# Cost-aware drafting: a new request's assumed per-token acceptance, the decay
+# of its record per verified round, and the gain over plain decoding a budget
+# must promise (a margin for the error of the cost and acceptance estimates).
+PRIOR_ACCEPTANCE = 0.6
+PAYOFF_DECAY = 0.8
+MIN_GAIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,8 @@ class SelfSpecProposer(DraftModelProposer):
         # just ran, in batch order; None when it verified none.
         self._verified_drafts: list[int] | None = None
         self.counters = DraftCounters()
+        self.payoffs: dict[str, DraftPayoff] = {}  # per request, for cost_aware
+        self.step_costs: StepCosts | None = None  # measured at the first round
 
     # --- what a method states -------------------------------------------------
     def layer_plan(self, num_layers: int) -> LayerPlan:
@@ -123,7 +133,7 @@ class SelfSpecProposer(DraftModelProposer):
     def per_request_state(self) -> dict[str, int]:
         """Requests with state held now, per kind of state: the requests vLLM
         holds at most, so growth after requests finish is a leak."""
-        return {}
+        return {"payoffs": len(self.payoffs)}
 
     # --- vLLM's proposer interface -------------------------------------------
     def draft_depth(self, num_layers: int) -> int:
@@ -229,8 +239,13 @@ class SelfSpecProposer(DraftModelProposer):
         if num_rejected_tokens_gpu is not None and verified is not None:
             for req_id, accepted, scheduled in verified_feedback(
                     req_ids, verified, num_rejected_tokens_gpu.tolist()):
+                self.payoffs.setdefault(req_id, DraftPayoff()).update(
+                    accepted, scheduled, PAYOFF_DECAY)
                 self.observe_round(req_id, accepted, scheduled)
-        self.forget_finished(set(self.runner.requests))
+        live = set(self.runner.requests)
+        for req_id in set(self.payoffs) - live:
+            del self.payoffs[req_id]
+        self.forget_finished(live)
         batch_size = common_attn_metadata.batch_size()
         if token_indices_to_sample is None:
             token_indices_to_sample = common_attn_metadata.query_start_loc[1:] - 1
@@ -248,11 +263,19 @@ class SelfSpecProposer(DraftModelProposer):
         # A request whose prompt is still prefilling in chunks has no token to
         # continue from yet (vLLM discards its sample): it drafts nothing.
         drafting = ~self.runner.discard_request_mask.gpu[:batch_size]
-        if not bool(drafting.any()):
+        steps = num_speculative_tokens
+        if self.options.cost_aware:
+            budgets = self.round_budgets(req_ids, num_speculative_tokens)
+            steps = max(budgets, default=0)
+            budget = torch.tensor(budgets, device=self.device)
+            drafting &= budget > 0
+        if steps == 0 or not bool(drafting.any()):
             return drafts
         # The round's tokens so far: the sampled token, then each step's draft.
         round_tokens = next_token_ids.view(batch_size, 1)
-        for step in range(num_speculative_tokens):
+        for step in range(steps):
+            if self.options.cost_aware:
+                drafting &= budget > step
             positions = self._advance(positions, cad, batch_size)
             logits, is_draft = self.draft_step(round_tokens, positions, cad, step, drafting)
             token_ids = logits.argmax(dim=-1)
@@ -275,6 +298,30 @@ class SelfSpecProposer(DraftModelProposer):
         self._verified_drafts = list(spec_decode_metadata.num_draft_tokens)
         return super().prepare_inputs_padded(common_attn_metadata, spec_decode_metadata,
                                              valid_sampled_tokens_count)
+
+    # --- cost-aware drafting -------------------------------------------------
+    def round_budgets(self, req_ids: list[str], max_drafts: int) -> list[int]:
+        """Drafts each request may make this round (workers/draft_payoff.py)."""
+        costs = self.measured_step_costs(max_drafts)
+        return [round_budget(self.payoffs.setdefault(req_id, DraftPayoff()), costs,
+                             max_drafts, PRIOR_ACCEPTANCE, MIN_GAIN,
+                             self.options.probe_every)
+                for req_id in req_ids]
+
+    def measured_step_costs(self, max_drafts: int) -> StepCosts:
+        """c and v of this engine's draft, timed once (at the first round, when
+        every graph is compiled and warm) on tensor-parallel rank 0 and shared,
+        so every rank budgets alike."""
+        if self.step_costs is None:
+            from vllm.distributed import get_tp_group
+
+            from vllm_selfspec.workers.profiling import draft_and_verify_costs
+
+            group = get_tp_group()
+            costs = draft_and_verify_costs(self.runner, self, max_drafts) if (
+                group.rank_in_group == 0) else None
+            self.step_costs = StepCosts(*group.broadcast_object(costs, src=0))
+        return self.step_costs
 
     # --- the draft loop's pieces ---------------------------------------------
     def _decode_metadata(

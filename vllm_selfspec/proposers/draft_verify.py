@@ -14,10 +14,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-
 from vllm.config.utils import config
 
-from vllm_selfspec.config import SelfSpecConfig, SelfSpecConfigError, check_layer_indices
+from vllm_selfspec.config import (
+    SelfSpecConfig,
+    SelfSpecConfigError,
+    check_layer_indices,
+)
+from vllm_selfspec.draft_tokens import top1_probability
 from vllm_selfspec.proposers.base import SelfSpecProposer
 from vllm_selfspec.workers.draft_model import LayerPlan
 
@@ -126,7 +130,7 @@ class DraftVerifyProposer(SelfSpecProposer):
     ) -> torch.Tensor | None:
         if not self.options.adaptive_threshold and self.options.threshold == 0.0:
             return None  # a fixed zero threshold never stops a draft
-        confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
+        confidence = top1_probability(logits)
         if step == 0:  # thresholds change only between rounds
             self._round_gammas = torch.tensor(
                 [self._threshold(req_id).gamma for req_id in req_ids],

@@ -6,7 +6,7 @@ Drafts exit after E layers through the exit head at E: the model's own LM
 head (LayerSkip-style models) or trained heads (`heads`, from
 scripts/train_exit_heads.py, for vanilla models). Draft KV of layers < E is
 exact and lands in the target's paged cache; the verification forward
-rewrites every layer there anyway (see the README for why it does not skip
+rewrites every layer there anyway (see docs/design.md for why it does not skip
 the layers below E).
 
 Shadow tokens cost no extra forward: the target returns the residual stream
@@ -31,6 +31,7 @@ import torch
 from vllm.config.utils import config
 
 from vllm_selfspec.config import SelfSpecConfigError
+from vllm_selfspec.draft_tokens import top1_probability
 from vllm_selfspec.proposers.base import VerifiedTokens
 from vllm_selfspec.proposers.early_exit import EarlyExitConfig, EarlyExitProposer
 from vllm_selfspec.workers.exit_stats import ExitChoice, ExitStats
@@ -178,10 +179,9 @@ class DelProposer(EarlyExitProposer):
         states = verified.hidden_states[rows].view(rows.numel(), num_exits, -1)
         matched, confidence = [], []
         for index, segment in enumerate(self.model.segments):
-            logits = self.model.compute_logits(segment.head_input(states[:, index])).float()
-            top, shadow = logits.max(dim=-1)
-            matched.append(shadow == following)
-            confidence.append(torch.exp(top - torch.logsumexp(logits, dim=-1)))
+            logits = self.model.compute_logits(segment.head_input(states[:, index]))
+            matched.append(logits.argmax(dim=-1) == following)
+            confidence.append(top1_probability(logits))
         matched_t = torch.stack(matched, dim=1).float()
         confidence_t = torch.stack(confidence, dim=1)
         per_row = torch.stack([
@@ -228,7 +228,7 @@ class DelProposer(EarlyExitProposer):
                     chosen = logits.new_zeros(batch_size, logits.shape[-1])
                 chosen[index] = logits
         self.counters.add_step(deepest)
-        confidence = chosen.float().softmax(dim=-1).amax(dim=-1)
+        confidence = top1_probability(chosen)
         return chosen, active & (confidence >= self.plan.thresholds)
 
 

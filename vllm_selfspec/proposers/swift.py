@@ -45,6 +45,7 @@ import torch
 from vllm.config.utils import config
 
 from vllm_selfspec.config import SelfSpecConfig, SelfSpecConfigError
+from vllm_selfspec.draft_tokens import top1_probability
 from vllm_selfspec.proposers.base import SelfSpecProposer, VerifiedTokens
 from vllm_selfspec.workers.draft_model import LayerPlan
 from vllm_selfspec.workers.skip_search import (
@@ -168,8 +169,7 @@ class SwiftProposer(SelfSpecProposer):
         return SkipSet.uniform(num_layers, skip_count(num_layers, self.options.skip_ratio))
 
     def stop_after(self, req_ids, logits, step):
-        confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
-        return confidence < self.options.confidence
+        return top1_probability(logits) < self.options.confidence
 
     # --- tasks ---------------------------------------------------------------
     def task_of(self, req_id: str) -> str:

@@ -12,10 +12,8 @@ from vllm_selfspec.config import (
     config_class_for,
     method_module,
 )
+from vllm_selfspec.draft_tokens import NO_DRAFT
 from vllm_selfspec.patches import original
-
-# Drafts that stopped early are padded with this id; it is never a real token.
-NO_DRAFT = -1
 
 
 def _vllm_methods() -> set[str]:
@@ -57,12 +55,11 @@ def take_draft_token_ids(self: Any) -> Any:
     """Cut each request's drafts at the first NO_DRAFT before scheduling."""
     from vllm.v1.outputs import DraftTokenIds
 
-    from vllm_selfspec.proposers.base import SelfSpecProposer
-
     drafts = original(
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "take_draft_token_ids"
     )(self)
-    if drafts is None or not isinstance(getattr(self, "drafter", None), SelfSpecProposer):
+    if drafts is None or not isinstance(getattr(self, "speculative_config", None),
+                                        SelfSpecConfig):
         return drafts
     rows = [
         row[: row.index(NO_DRAFT)] if NO_DRAFT in row else row

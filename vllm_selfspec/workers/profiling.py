@@ -156,6 +156,16 @@ def _ray_actor_id() -> str | None:
     return ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
 
 
+def draft_and_verify_costs(runner, drafter, max_drafts: int, repeats: int = 10) -> tuple[
+        float, float]:
+    """A draft step's time and a verification's extra time per draft token,
+    both over a plain decode step's (one request)."""
+    plain = _time_forward(runner.model, runner.vllm_config, 1, repeats)
+    draft = _time_forward(drafter.model, drafter.vllm_config, 1, repeats)
+    verify = _time_forward(runner.model, runner.vllm_config, 1 + max_drafts, repeats)
+    return draft / plain, max(verify - plain, 0.0) / (max_drafts * plain)
+
+
 def measure_step_costs(worker, batch_size: int = 1, repeats: int = 30) -> dict:
     """Median seconds of a plain step and a draft step, and their ratio."""
     runner = worker.model_runner
