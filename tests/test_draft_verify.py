@@ -11,13 +11,16 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import (
+    Acceptance,
     assert_every_draft_accepted,
     assert_greedy_parity_with_rejections,
     assert_same_distribution_after_rejections,
     assert_same_sampling_distribution,
+    greedy,
     start_engine,
     stop_engine,
 )
+from vllm_selfspec.workers.profiling import WORKER_EXTENSION
 
 # A skip set in the spirit of the shipped searched one: drafts are often wrong,
 # so verification rejects and rolls back a lot.
@@ -73,3 +76,23 @@ def test_sampling_keeps_the_target_distribution(plain, skipping):
 
 def test_sampling_after_rejected_drafts_keeps_the_target_distribution(skipping, plain):
     assert_same_distribution_after_rejections(skipping, plain)
+
+
+def test_cost_aware_drafting_declines_where_drafts_lose(plain_outputs, test_prompts):
+    """A draft through layer 0 alone is cheap but almost never right: the
+    budget turns drafting off and only probes (every 8th round), and outputs
+    stay plain vLLM's."""
+    spec = {"method": "draft_verify", "num_speculative_tokens": 4, "cost_aware": True,
+            "probe_every": 8, "attn_skip": list(range(1, 30)), "mlp_skip": list(range(1, 30))}
+    llm = start_engine(spec, worker_extension_cls=WORKER_EXTENSION)
+    try:
+        acceptance = Acceptance()
+        outputs = greedy(llm, test_prompts[:8], 8, acceptance=acceptance)
+        (counters,) = llm.collective_rpc("selfspec_counters")
+        (state,) = llm.collective_rpc("selfspec_state")
+    finally:
+        stop_engine(llm)
+    assert outputs == plain_outputs[8][:8]
+    assert 0 < counters["draft_steps"] < counters["rounds"] / 4, counters
+    assert 0 < acceptance.drafted < 8 * 48 / 4, acceptance
+    assert state["requests_with_state"]["payoffs"] <= 8

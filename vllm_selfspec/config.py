@@ -43,7 +43,7 @@ SUPPORTED_ARCHITECTURES = (
 
 # Keys every method takes (beside num_speculative_tokens and config_file).
 COMMON_FIELDS = ("draft_precision", "draft_vocab", "draft_vocab_size", "cost_aware",
-                 "probe_every")
+                 "probe_every", "lookup")
 DRAFT_PRECISIONS = ("auto", "bf16", "int8", "int4")
 
 
@@ -88,6 +88,11 @@ class SelfSpecConfig(SpeculativeConfig):
     probe_every: int | None = None
     """A request that stopped drafting drafts one token every this many rounds,
     to notice when its text turns predictable (default 16)."""
+    lookup: dict[str, int] | None = None
+    """Try a free draft from the request's own text first: {"min_match": 3,
+    "max_match": 8} (or {} for these defaults). When the request's last
+    min_match..max_match tokens occurred earlier in it, the tokens that
+    followed are this round's drafts and no self-draft runs for it."""
 
     # Defaults a method module sets; None means "not given by the user".
     default_num_speculative_tokens: ClassVar[int] = 4
@@ -141,7 +146,7 @@ class SelfSpecConfig(SpeculativeConfig):
 
         factors = [super().compute_hash(), self.method, self.method_hash_factors(),
                    self.draft_precision, self.draft_vocab, self.draft_vocab_size]
-        # cost_aware and probe_every change no graph: not hashed.
+        # cost_aware, probe_every and lookup change no graph: not hashed.
         return safe_hash(str(factors).encode(), usedforsecurity=False).hexdigest()
 
     # --- helpers ------------------------------------------------------------
@@ -235,6 +240,7 @@ class SelfSpecConfig(SpeculativeConfig):
         if self.probe_every < 1:
             raise SelfSpecConfigError(
                 f"speculative_config.probe_every: {self.probe_every} must be >= 1.")
+        self._validate_lookup()
         if self.draft_precision not in DRAFT_PRECISIONS:
             raise SelfSpecConfigError(
                 f"speculative_config.draft_precision: '{self.draft_precision}' is not "
@@ -253,6 +259,22 @@ class SelfSpecConfig(SpeculativeConfig):
             raise SelfSpecConfigError(
                 "speculative_config.draft_vocab_size: needs draft_vocab (a file, or "
                 "give the size as draft_vocab).")
+
+    def _validate_lookup(self) -> None:
+        if self.lookup is None:
+            return
+        from vllm_selfspec.workers.lookup import LOOKUP_DEFAULTS
+
+        unknown = sorted(set(self.lookup) - set(LOOKUP_DEFAULTS))
+        if unknown:
+            raise SelfSpecConfigError(
+                f"speculative_config.lookup: unknown key(s) {unknown}; it takes "
+                f"{sorted(LOOKUP_DEFAULTS)}.")
+        self.lookup = {**LOOKUP_DEFAULTS, **self.lookup}
+        if not 1 <= self.lookup["min_match"] <= self.lookup["max_match"]:
+            raise SelfSpecConfigError(
+                f"speculative_config.lookup: min_match {self.lookup['min_match']} and "
+                f"max_match {self.lookup['max_match']} need 1 <= min_match <= max_match.")
 
     def _validate_draft_weights_for_model(self) -> None:
         from vllm_selfspec.workers.draft_weights import int4_shape_problem

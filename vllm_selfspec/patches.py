@@ -102,6 +102,21 @@ RAY_CPU_PATCHES = (
     ),
 )
 
+# vLLM internals (underscore names) the plugin calls without replacing them:
+# (module, owner, attribute, why). tests/test_patches.py checks each is there.
+USED_INTERNALS = (
+    ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer",
+     "_update_positions_dependent_metadata",
+     "advance each draft step's positions, slots and seq_lens as vLLM's own loop does"),
+    ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer", "_get_slot_mapping",
+     "the draft step's slot mapping buffers"),
+    ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer", "_get_positions",
+     "the draft step's position buffers"),
+    ("vllm.v1.spec_decode.ngram_proposer", "",
+     "_find_longest_matched_ngram_and_propose_tokens",
+     "lookup drafts: vLLM's n-gram matcher on a request's own tokens"),
+)
+
 ORIGINALS: dict[Patch, Any] = {}
 
 

@@ -84,6 +84,7 @@ class DraftCounters:
     rounds: int = 0
     draft_steps: int = 0
     draft_layers: float = 0.0
+    lookup_rounds: int = 0  # request-rounds drafted by lookup
 
     def add_step(self, layers: float) -> None:
         self.draft_steps += 1
@@ -108,6 +109,7 @@ class SelfSpecProposer(DraftModelProposer):
         self._verified_drafts: list[int] | None = None
         self.counters = DraftCounters()
         self.payoffs: dict[str, DraftPayoff] = {}  # per request, for cost_aware
+        self._looked_up: set[str] = set()  # requests whose last drafts were a lookup
         self.step_costs: StepCosts | None = None  # measured at the first round
 
     # --- what a method states -------------------------------------------------
@@ -236,9 +238,13 @@ class SelfSpecProposer(DraftModelProposer):
     ) -> torch.Tensor:
         req_ids = list(self.runner.input_batch.req_ids)
         verified, self._verified_drafts = self._verified_drafts, None
+        accepted_now: dict[str, int] = {}
         if num_rejected_tokens_gpu is not None and verified is not None:
             for req_id, accepted, scheduled in verified_feedback(
                     req_ids, verified, num_rejected_tokens_gpu.tolist()):
+                accepted_now[req_id] = accepted
+                if req_id in self._looked_up:
+                    continue  # a lookup draft says nothing of the self-draft
                 self.payoffs.setdefault(req_id, DraftPayoff()).update(
                     accepted, scheduled, PAYOFF_DECAY)
                 self.observe_round(req_id, accepted, scheduled)
@@ -263,6 +269,13 @@ class SelfSpecProposer(DraftModelProposer):
         # A request whose prompt is still prefilling in chunks has no token to
         # continue from yet (vLLM discards its sample): it drafts nothing.
         drafting = ~self.runner.discard_request_mask.gpu[:batch_size]
+        self._looked_up = set()
+        if self.options.lookup is not None:
+            rows = self.draft_by_lookup(req_ids, target_token_ids, next_token_ids,
+                                        common_attn_metadata, accepted_now, drafts)
+            if rows:
+                self._looked_up = {req_ids[row] for row in rows}
+                drafting[rows] = False
         steps = num_speculative_tokens
         if self.options.cost_aware:
             budgets = self.round_budgets(req_ids, num_speculative_tokens)
@@ -282,7 +295,8 @@ class SelfSpecProposer(DraftModelProposer):
             round_tokens = torch.cat([round_tokens, token_ids.view(batch_size, 1)], dim=1)
             if is_draft is not None:
                 drafting &= is_draft
-            drafts[:, step] = torch.where(drafting, token_ids, NO_DRAFT)
+            # Rows not drafting keep what they have (NO_DRAFT, or a lookup draft).
+            drafts[:, step] = torch.where(drafting, token_ids, drafts[:, step])
             stop = self.stop_after(req_ids, logits, step)
             if stop is not None:
                 drafting &= ~stop
@@ -298,6 +312,35 @@ class SelfSpecProposer(DraftModelProposer):
         self._verified_drafts = list(spec_decode_metadata.num_draft_tokens)
         return super().prepare_inputs_padded(common_attn_metadata, spec_decode_metadata,
                                              valid_sampled_tokens_count)
+
+    # --- lookup drafts ---------------------------------------------------------
+    def draft_by_lookup(self, req_ids: list[str], step_tokens: torch.Tensor,
+                        next_token_ids: torch.Tensor, cad: CommonAttentionMetadata,
+                        accepted: dict[str, int], drafts: torch.Tensor) -> list[int]:
+        """Fill `drafts` for the requests whose own text offers a match
+        (workers/lookup.py); returns their rows."""
+        from vllm_selfspec.workers.lookup import lookup_draft, request_tokens
+
+        batch = self.runner.input_batch
+        discarded = self.runner.discard_request_mask.np
+        tokens, next_ids = step_tokens.tolist(), next_token_ids.tolist()
+        first_rows = cad.query_start_loc_cpu.tolist()
+        max_model_len = self.vllm_config.model_config.max_model_len
+        rows = []
+        for row, req_id in enumerate(req_ids):
+            if discarded[row]:
+                continue
+            context = request_tokens(
+                batch.token_ids_cpu[row, :batch.num_tokens_no_spec[row]], tokens,
+                first_rows[row], accepted.get(req_id, 0), next_ids[row])
+            found = lookup_draft(context, self.options.lookup["min_match"],
+                                 self.options.lookup["max_match"], max_model_len,
+                                 drafts.shape[1])
+            if len(found):
+                drafts[row, :len(found)] = torch.from_numpy(found).to(drafts.device)
+                rows.append(row)
+        self.counters.lookup_rounds += len(rows)
+        return rows
 
     # --- cost-aware drafting -------------------------------------------------
     def round_budgets(self, req_ids: list[str], max_drafts: int) -> list[int]:

