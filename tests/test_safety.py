@@ -54,6 +54,9 @@ def test_rpc_options_are_validated():
     assert options.threshold == 0.3  # unchanged after a refused value
     with pytest.raises(ValueError, match=r"threshold: Input should be a valid number"):
         set_option(options, "threshold", "high")
+    with pytest.raises(ValueError, match=r"threshold: give a value, not None"):
+        set_option(options, "threshold", None)
+    assert options.threshold == 0.3
     for name in ("attn_skip", "config_file", "__class__", "method"):
         with pytest.raises(ValueError, match=r"is not an option of draft_verify that can "
                                              r"change while serving"):

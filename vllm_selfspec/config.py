@@ -214,6 +214,10 @@ class SelfSpecConfig(SpeculativeConfig):
                 "every pipeline stage on the last one, so it needs "
                 "pipeline_parallel_size=1; use tensor parallelism instead."
             )
+        if self.disable_padded_drafter_batch:
+            raise SelfSpecConfigError(
+                "speculative_config.disable_padded_drafter_batch: self-speculative "
+                "drafting reads the padded batch's verification results; remove it.")
         if parallel is not None and parallel.data_parallel_size > 1:
             raise SelfSpecConfigError(
                 "data_parallel_size: vLLM's runner makes cross-rank dummy drafts on idle "
@@ -294,6 +298,12 @@ class SelfSpecConfig(SpeculativeConfig):
                     f"speculative_config.draft_precision: '{self.draft_precision}' needs "
                     "vLLM's CPU or CUDA/ROCm kernels; this platform has neither, leave "
                     "it unset.")
+            if current_platform.is_cuda_alike() and str(dtype) not in (
+                    "torch.bfloat16", "torch.float16"):
+                raise SelfSpecConfigError(
+                    f"speculative_config.draft_precision: '{self.draft_precision}' on a GPU "
+                    f"needs bf16 or fp16 activations (vLLM's int8/int4 GPU kernels), the "
+                    f"target runs in {dtype}; load the model with dtype bfloat16.")
         if self.draft_precision == "int4":
             if str(dtype) not in ("torch.bfloat16", "torch.float16"):
                 raise SelfSpecConfigError(

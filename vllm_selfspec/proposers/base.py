@@ -279,9 +279,9 @@ class SelfSpecProposer(DraftModelProposer):
         steps = num_speculative_tokens
         if self.options.cost_aware:
             budgets = self.round_budgets(req_ids, num_speculative_tokens)
-            steps = max(budgets, default=0)
             budget = torch.tensor(budgets, device=self.device)
             drafting &= budget > 0
+            steps = int((budget * drafting).max()) if budgets else 0  # rows still drafting
         if steps == 0 or not bool(drafting.any()):
             return drafts
         # The round's tokens so far: the sampled token, then each step's draft.
@@ -360,10 +360,10 @@ class SelfSpecProposer(DraftModelProposer):
 
             from vllm_selfspec.workers.profiling import draft_and_verify_costs
 
-            group = get_tp_group()
-            costs = draft_and_verify_costs(self.runner, self, max_drafts) if (
-                group.rank_in_group == 0) else None
-            self.step_costs = StepCosts(*group.broadcast_object(costs, src=0))
+            # Every rank runs the timing forwards (they hold tensor-parallel
+            # collectives); rank 0's numbers are the ones all ranks use.
+            costs = draft_and_verify_costs(self.runner, self, max_drafts)
+            self.step_costs = StepCosts(*get_tp_group().broadcast_object(costs, src=0))
         return self.step_costs
 
     # --- the draft loop's pieces ---------------------------------------------

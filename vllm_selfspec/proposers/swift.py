@@ -187,6 +187,7 @@ class SwiftProposer(SelfSpecProposer):
         if task not in held and len(held) >= self.options.max_tasks:
             self.refused_keys["over_max_tasks"] += 1
             return DEFAULT_TASK
+        self.search_for(task)  # admitted now, so it counts for the next key
         return task
 
     def search_for(self, task: str) -> SkipSetSearch:

@@ -33,17 +33,26 @@ def _median_seconds(step: Callable[[], Any], vllm_config, batch_size: int,
 
     timings = []
     for _ in range(repeats + 2):
+        _synchronize()
         start = time.perf_counter()
         with set_forward_context(None, vllm_config, num_tokens=batch_size):
             step()
+        _synchronize()
         timings.append(time.perf_counter() - start)
     timings = sorted(timings[2:])
     return timings[len(timings) // 2]
 
 
+def _synchronize() -> None:
+    """Wait for the device (a GPU runs kernels asynchronously)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _time_forward(model, vllm_config, batch_size: int, repeats: int) -> float:
-    input_ids = torch.zeros(batch_size, dtype=torch.int32)
-    positions = torch.zeros(batch_size, dtype=torch.int64)
+    device = next(model.parameters()).device
+    input_ids = torch.zeros(batch_size, dtype=torch.int32, device=device)
+    positions = torch.zeros(batch_size, dtype=torch.int64, device=device)
 
     def step() -> None:
         hidden = model(input_ids=input_ids, positions=positions)
@@ -198,6 +207,8 @@ def set_option(options, name: str, value) -> None:
 
     from vllm_selfspec.config import SelfSpecConfigError, eval_field_type
 
+    if value is None:
+        raise ValueError(f"{name}: give a value, not None")
     if not isinstance(name, str) or name not in SETTABLE_OPTIONS or (
             name not in options.own_fields):
         raise ValueError(f"{name!r} is not an option of {options.method} that can change "
@@ -213,9 +224,11 @@ def set_option(options, name: str, value) -> None:
         options.validate_method_fields()
         if options.target_model_config is not None:
             options.validate_for_model(options.target_model_config.hf_config.num_hidden_layers)
-    except SelfSpecConfigError:
+    except Exception as error:
         setattr(options, name, previous)
-        raise
+        if isinstance(error, SelfSpecConfigError):
+            raise
+        raise ValueError(f"{name}: {value!r} does not fit ({error})") from None
 
 
 def set_skip_set(worker, attn_skip: list[int], mlp_skip: list[int]) -> str:
