@@ -39,6 +39,18 @@ def test_mp_backend(method, tiny_llama_dir, tiny_heads, tiny_llama_outputs, test
     assert first == second and first["rounds"] > 8
 
 
+def test_cost_aware_budgets_agree_across_ranks(tiny_llama_dir, tiny_llama_outputs,
+                                               test_prompts, monkeypatch):
+    """With cost_aware on, each rank times the draft (the forwards hold
+    collectives, so all must run them) and takes rank 0's costs: both ranks
+    budget, draft and count alike, and outputs stay plain vLLM's."""
+    spec = {**SKIP_ONE, "cost_aware": True, "probe_every": 4}
+    outputs, _, (first, second) = run_tensor_parallel(
+        spec, tiny_llama_dir, test_prompts[:8], monkeypatch, "selfspec_counters")
+    assert outputs == tiny_llama_outputs
+    assert first == second and first["rounds"] > 8
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     """A Ray head on 127.0.0.1 with one CPU per rank, stopped afterwards."""
