@@ -80,8 +80,8 @@ def test_draft_budget_declines_when_drafting_loses_and_probes_again():
     payoff = DraftPayoff()
     for _ in range(10):  # every round rejected at once
         payoff.update(accepted=0, verified=2, decay=0.8)
-    budgets = [round_budget(payoff, cheap, 8, 0.6, 0.05, probe_every=4) for _ in range(8)]
-    assert budgets == [0, 0, 0, 1, 0, 0, 0, 1]  # declines, probing every 4th round
+    assert round_budget(payoff, cheap, 8, 0.6, 0.05, probe=False) == 0  # declines
+    assert round_budget(payoff, cheap, 8, 0.6, 0.05, probe=True) == 1   # probes
     for _ in range(10):  # the text turned predictable: every draft accepted
         payoff.update(accepted=4, verified=4, decay=0.8)
-    assert round_budget(payoff, cheap, 8, 0.6, 0.05, probe_every=4) >= 4
+    assert round_budget(payoff, cheap, 8, 0.6, 0.05, probe=False) >= 4

@@ -86,8 +86,9 @@ class SelfSpecConfig(SpeculativeConfig):
     given the draft step's measured cost and the request's own acceptance
     (zero included: then the step is plain decoding). Default true."""
     probe_every: int | None = None
-    """A request that stopped drafting drafts one token every this many rounds,
-    to notice when its text turns predictable (default 16)."""
+    """Requests that stopped drafting draft one token on every this-many-th
+    engine round (together), to notice when their text turns predictable
+    (default 16)."""
     lookup: dict[str, int] | None = None
     """Try a free draft from the request's own text first: {"min_match": 3,
     "max_match": 8} (or {} for these defaults). When the request's last

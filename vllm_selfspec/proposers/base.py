@@ -346,9 +346,9 @@ class SelfSpecProposer(DraftModelProposer):
     def round_budgets(self, req_ids: list[str], max_drafts: int) -> list[int]:
         """Drafts each request may make this round (workers/draft_payoff.py)."""
         costs = self.measured_step_costs(max_drafts)
+        probe = self.counters.rounds % self.options.probe_every == 0
         return [round_budget(self.payoffs.setdefault(req_id, DraftPayoff()), costs,
-                             max_drafts, PRIOR_ACCEPTANCE, MIN_GAIN,
-                             self.options.probe_every)
+                             max_drafts, PRIOR_ACCEPTANCE, MIN_GAIN, probe)
                 for req_id in req_ids]
 
     def measured_step_costs(self, max_drafts: int) -> StepCosts:

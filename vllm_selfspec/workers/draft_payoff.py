@@ -10,8 +10,10 @@ drafting k pays when E(k) / (1 + k (c + v)) > 1. The budget is the k in
 `a` is the request's own: decayed counts of accepted drafts and of rounds that
 ended in a rejection, a / (1 - a) being accepted drafts per rejection, with a
 prior worth two rounds. A request whose budget is 0 drafts nothing, which also
-means its estimate stops moving; every `probe_every` rounds it drafts one
-token anyway, so it starts again when its text turns predictable.
+means its estimate stops moving; on every `probe_every`-th round of the engine
+it drafts one token anyway, so it starts again when its text turns
+predictable. Probes share the engine's round clock, so all idle requests
+probe in the same round and one draft forward serves them all.
 
 c and v are measured once per engine (`StepCosts`) and every input here is the
 same on every tensor-parallel rank, so every rank decides the same.
@@ -33,11 +35,10 @@ class StepCosts:
 
 @dataclass
 class DraftPayoff:
-    """One request's acceptance record and rounds since it last drafted."""
+    """One request's acceptance record."""
 
     accepted: float = 0.0
     rejections: float = 0.0
-    idle_rounds: int = 0
 
     def update(self, accepted: int, verified: int, decay: float) -> None:
         self.accepted = decay * self.accepted + accepted
@@ -68,13 +69,7 @@ def best_budget(acceptance: float, costs: StepCosts, max_drafts: int,
 
 
 def round_budget(payoff: DraftPayoff, costs: StepCosts, max_drafts: int, prior: float,
-                 margin: float, probe_every: int) -> int:
-    """This round's budget for one request; counts its idle rounds."""
+                 margin: float, probe: bool) -> int:
+    """This round's budget for one request: 1 instead of 0 on a probe round."""
     budget = best_budget(payoff.acceptance(prior), costs, max_drafts, margin)
-    if budget == 0:
-        payoff.idle_rounds += 1
-        if payoff.idle_rounds >= probe_every:
-            budget = 1
-    if budget > 0:
-        payoff.idle_rounds = 0
-    return budget
+    return 1 if budget == 0 and probe else budget
