@@ -62,7 +62,10 @@ def main() -> None:
                    "--max-concurrency", str(args.max_concurrency), "--temperature", "0",
                    "--ignore-eos", "--save-result", "--result-dir", str(RESULTS),
                    "--result-filename", f"{args.name}.json"]
-        report = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        run = subprocess.run(command, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"vllm bench serve failed:\n{run.stderr[-3000:]}")
+        report = run.stdout
     summary = report[report.find("============ Serving Benchmark Result"):]
     (RESULTS / f"{args.name}.txt").write_text(
         f"$ python scripts/bench_serve.py {' '.join(sys.argv[1:])}\n{summary}")
