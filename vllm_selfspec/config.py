@@ -345,13 +345,22 @@ class SelfSpecConfig(SpeculativeConfig):
         self.draft_vocab = str(vocab.path)
         self.draft_vocab_size = self.draft_vocab_size or vocab.size
 
-    def draft_vocab_token_ids(self) -> list[int] | None:
-        """The draft head's tokens (None: the whole vocabulary)."""
+    def draft_vocab_token_ids(self, final_norm=None) -> list[int] | None:
+        """The draft head's tokens (None: the whole vocabulary); with the
+        loaded model's final norm, the file is checked against it too (the
+        start-up check can only read local checkpoints)."""
         if self.draft_vocab is None:
             return None
-        from vllm_selfspec.draft_vocab import DraftVocab
+        from vllm_selfspec.draft_vocab import DraftVocab, DraftVocabError
+        from vllm_selfspec.workers.exit_heads import model_identity
 
-        return DraftVocab.open(str(self.draft_vocab)).token_ids(self.draft_vocab_size)
+        vocab = DraftVocab.open(str(self.draft_vocab))
+        if final_norm is not None:
+            try:
+                vocab.check(model_identity(self.target_model_config.hf_config, final_norm))
+            except DraftVocabError as error:
+                raise SelfSpecConfigError(str(error)) from None
+        return vocab.token_ids(self.draft_vocab_size)
 
 
 def _linear_shard_shapes(hf_config: Any, parallel_config: Any) -> list[tuple[int, int]]:

@@ -148,12 +148,14 @@ class SelfSpecProposer(DraftModelProposer):
 
         self.target_model = target_model
         adapter = adapter_for(target_model)
-        layers = adapter.decoder(target_model).layers
+        decoder = adapter.decoder(target_model)
+        layers = decoder.layers
+        vocab = self.options.draft_vocab_token_ids(final_norm=decoder.norm.weight)
         # vLLM's CPU int8 kernel takes its output dtype from the default dtype.
         with set_default_torch_dtype(self.vllm_config.model_config.dtype):
             self.draft_weights = DraftWeights.build(
-                target_model, layers, self.options.draft_precision,
-                self.options.draft_vocab_token_ids(), self.draft_depth(len(layers)))
+                target_model, layers, self.options.draft_precision, vocab,
+                self.draft_depth(len(layers)))
         self.model = self.build_draft(len(layers))
         # Metadata is built per attention backend, not per layer, so naming
         # every target layer costs nothing and lets any plan run.
