@@ -28,6 +28,7 @@ from tqdm import tqdm
 from vllm_selfspec import prompts as prompt_sets
 from vllm_selfspec.assets import ROOT, fast_dtype
 from vllm_selfspec.config import CONFIGS_DIR, METHOD_MODULES
+from vllm_selfspec.workers.draft_payoff import StepCosts, fit_round_costs
 from vllm_selfspec.workers.exit_heads import ExitHeads
 from vllm_selfspec.workers.profiling import WORKER_EXTENSION
 
@@ -258,6 +259,7 @@ def run_engine(run: Run, model_dir: Path, prompts: list[str], args) -> None:
     spec = run.speculative_config
     if spec is not None and spec["method"] in METHOD_MODULES:
         run.step_costs = llm.collective_rpc("selfspec_step_costs")[0]
+        run.step_costs["rounds"] = llm.collective_rpc("selfspec_round_costs")[0]
     if spec is not None and spec["method"] == "del":
         run.step_costs["exit_costs"] = llm.collective_rpc("selfspec_exit_costs")[0]
     if spec is not None and spec["method"] == "swift":
@@ -283,7 +285,7 @@ def threshold_sweep(model_dir: Path, prompts: list[str], plain: Run, args) -> li
         measure(llm, run, prompts, args)
         runs.append(run)
     shutdown(llm)
-    return summarize([plain, *runs], args.num_layers)[1:]
+    return summarize([plain, *runs], args.num_layers, args.batch_size)[1:]
 
 
 def static_exit_grid(model_dir: Path, prompts: list[str], plain: Run, args) -> list[dict]:
@@ -302,7 +304,7 @@ def static_exit_grid(model_dir: Path, prompts: list[str], plain: Run, args) -> l
         measure(llm, run, prompts, args)
         runs.append(run)
     shutdown(llm)
-    return summarize([plain, *runs], args.num_layers)[1:]
+    return summarize([plain, *runs], args.num_layers, args.batch_size)[1:]
 
 
 def del_with_step_overhead(runs: list[Run], model_dir: Path, prompts: list[str],
@@ -332,7 +334,7 @@ def del_trace(model_dir: Path, prompt: str, args) -> list[dict]:
     return rounds
 
 
-def summarize(runs: list[Run], num_layers: int) -> list[dict]:
+def summarize(runs: list[Run], num_layers: int, batch_size: int) -> list[dict]:
     plain = next(r for r in runs if r.name == "plain")
     base = statistics.mean(plain.tokens_per_s)
     rows = []
@@ -357,12 +359,19 @@ def summarize(runs: list[Run], num_layers: int) -> list[dict]:
             "startup_s": round(run.startup_s, 1),
         }
         if run.step_costs:
-            cost = run.step_costs["cost_ratio"]
-            row["draft_step_cost_ratio"] = round(cost, 3)
+            forward_cost = run.step_costs["cost_ratio"]
+            row["forward_cost_ratio"] = round(forward_cost, 3)
             row["sublayers_run"] = round(run.step_costs["fraction_of_sublayers_run"], 3)
-            ideal = run.mean_accepted_length / (1 + run.drafts_per_round * cost)
-            row["ideal_speedup_S*"] = round(ideal, 3)
-            row["measured_over_S*"] = round(speed / base / ideal, 3)
+            row["ideal_speedup_forwards"] = round(
+                run.mean_accepted_length / (1 + run.drafts_per_round * forward_cost), 3)
+            costs = engine_round_costs(run, base, batch_size)
+            if costs is not None:
+                row["draft_step_cost_ratio"] = round(costs.per_draft, 3)
+                row["round_overhead"] = round(costs.round_overhead, 3)
+                ideal = run.mean_accepted_length / (
+                    1 + costs.round_overhead + run.drafts_per_round * costs.per_draft)
+                row["ideal_speedup_S*"] = round(ideal, 3)
+                row["measured_over_S*"] = round(speed / base / ideal, 3)
             row["draft_copy_MB"] = round(run.step_costs["draft_copy_bytes"] / 1e6, 1)
             row["draft_copy_share"] = round(run.step_costs["draft_copy_bytes"]
                                             / run.step_costs["model_bytes"], 3)
@@ -371,6 +380,22 @@ def summarize(runs: list[Run], num_layers: int) -> list[dict]:
                 run.step_costs["search"]["optimise_seconds"] / run.decode_seconds, 3)
         rows.append(row)
     return rows
+
+
+def engine_round_costs(run: Run, plain_tokens_per_s: float, batch_size: int
+                       ) -> StepCosts | None:
+    """c (per draft token, its verification share included) and a drafted
+    round's fixed extra F, both in plain steps, from the rounds the engine
+    timed at this batch size; the plain step from the plain run (batch_size
+    tokens per step). The profiling-mode ratio stands in for c where every
+    round drafted the same count."""
+    rounds = run.step_costs["rounds"]["drafted"].get(batch_size, [])
+    if not rounds:
+        return None
+    plain_step_s = batch_size / plain_tokens_per_s
+    return fit_round_costs([steps for steps, _ in rounds],
+                           [seconds / plain_step_s - 1 for _, seconds in rounds],
+                           StepCosts(per_draft=run.step_costs["cost_ratio"]))
 
 
 def _round(value: float | None) -> float | None:
@@ -575,7 +600,7 @@ def main() -> None:
     if args.del_step_overhead:
         runs.append(del_with_step_overhead(runs, model_dir, prompts, args))
 
-    rows = summarize(runs, args.num_layers)
+    rows = summarize(runs, args.num_layers, args.batch_size)
     sweep = threshold_sweep(model_dir, prompts, runs[0], args) if args.threshold_sweep else []
     grid = static_exit_grid(model_dir, prompts, runs[0], args) if args.del_grid else []
     trace = del_trace(model_dir, prompt_sets.as_chat(
@@ -613,8 +638,8 @@ def print_table(rows: list[dict], args, num_prompts: int) -> None:
           f"{args.batch_size} ({num_prompts} prompts, {args.max_tokens} new tokens, "
           f"{args.repeats} repeats); CPU flags: {' '.join(cpu_flags())}", file=CONSOLE)
     header = ("method", "tok/s", "speed-up", "spread", "accept", "acc len", "identical",
-              "c", "S*", "meas/S*")
-    line = "{:<26}{:>7}{:>9}{:>12}{:>8}{:>9}{:>10}{:>6}{:>6}{:>8}"
+              "c", "F", "S*", "meas/S*")
+    line = "{:<26}{:>7}{:>9}{:>12}{:>8}{:>9}{:>10}{:>6}{:>6}{:>6}{:>8}"
     print(line.format(*header), file=CONSOLE)
     for row in rows:
         spread = "{:.2f}-{:.2f}".format(*row["speedup_spread"])
@@ -622,7 +647,8 @@ def print_table(rows: list[dict], args, num_prompts: int) -> None:
             row["method"], row["tokens_per_s"], f"{row['speedup']:.2f}x", spread,
             _fmt(row["acceptance"]), _fmt(row["mean_accepted_length"]),
             row["identical_to_plain"], _fmt(row.get("draft_step_cost_ratio")),
-            _fmt(row.get("ideal_speedup_S*")), _fmt(row.get("measured_over_S*"))),
+            _fmt(row.get("round_overhead")), _fmt(row.get("ideal_speedup_S*")),
+            _fmt(row.get("measured_over_S*"))),
             file=CONSOLE)
     print(reading(rows, args.dtype), file=CONSOLE)
 

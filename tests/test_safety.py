@@ -73,10 +73,15 @@ def test_draft_budget_declines_when_drafting_loses_and_probes_again():
     )
 
     assert expected_tokens(0.5, 2) == 1.75
-    cheap, dear = StepCosts(draft=0.3, verify_per_token=0.05), StepCosts(1.0, 0.05)
+    cheap, dear = StepCosts(per_draft=0.35), StepCosts(per_draft=1.05)
     assert best_budget(0.9, cheap, 8, 0.05) >= 4   # cheap and accepted: draft long
     assert best_budget(0.9, dear, 8, 0.05) == 0    # a draft step as dear as a plain one
     assert best_budget(0.2, cheap, 8, 0.05) == 0   # cheap but mostly rejected
+    # A round's fixed cost makes single drafts lose and long ones win.
+    fixed = StepCosts(per_draft=0.1, round_overhead=0.4)
+    assert best_budget(0.4, fixed, 8, 0.05) == 0
+    assert best_budget(0.4, StepCosts(per_draft=0.1), 8, 0.05) > 0
+    assert best_budget(0.95, fixed, 8, 0.05) == 8
     payoff = DraftPayoff()
     for _ in range(10):  # every round rejected at once
         payoff.update(accepted=0, verified=2, decay=0.8)
@@ -85,3 +90,39 @@ def test_draft_budget_declines_when_drafting_loses_and_probes_again():
     for _ in range(10):  # the text turned predictable: every draft accepted
         payoff.update(accepted=4, verified=4, decay=0.8)
     assert round_budget(payoff, cheap, 8, 0.6, 0.05, probe=False) >= 4
+
+
+def test_round_clock_fits_fixed_and_per_draft_costs_from_steady_rounds():
+    """Rounds timed as 1 + F + k w plain steps give back F and w; one draft
+    count alone leaves F to the rest after the prior's w; the nearest batch
+    size's costs serve a batch size never timed; windows stay bounded."""
+    from vllm_selfspec.workers.draft_payoff import RoundClock, StepCosts, costs_for
+
+    plain_s, overhead, per_draft = 0.02, 0.3, 0.25
+    prior = StepCosts(per_draft=0.5)
+    clock = RoundClock(window=16)
+    assert clock.costs(prior) == {} and clock.plain_seconds(1) is None
+    for i in range(40):
+        clock.record_plain(1, plain_s * (1 + 0.01 * (i % 3)), round_index=i)
+        for steps in (1, 4, 4):
+            clock.record_drafted(1, steps, plain_s * (1 + overhead + steps * per_draft))
+    assert len(clock.plain[1]) == 16 and len(clock.drafted[1]) == 16
+    assert clock.newest_plain_round == 39
+    costs = clock.costs(prior)[1]
+    assert abs(costs.per_draft - per_draft) < 0.02
+    assert abs(costs.round_overhead - overhead) < 0.05
+    assert costs_for(clock.costs(prior), 6) == costs  # nearest batch size timed
+
+    single = RoundClock()
+    for i in range(5):
+        single.record_plain(2, plain_s, round_index=i)
+        single.record_drafted(2, 4, plain_s * (1 + overhead + 4 * per_draft))
+    costs = single.costs(prior)[2]
+    assert abs(costs.per_draft - 1.3 / 4) < 1e-9 and costs.round_overhead == 0.0  # prior's w too dear
+    cheap_prior = StepCosts(per_draft=0.2)
+    costs = single.costs(cheap_prior)[2]
+    assert costs.per_draft == 0.2 and abs(costs.round_overhead - 0.5) < 1e-9
+    few = RoundClock()
+    few.record_plain(1, plain_s, round_index=0)
+    few.record_drafted(1, 4, plain_s * 3)
+    assert few.costs(prior) == {1: prior}  # too few drafted rounds: the prior

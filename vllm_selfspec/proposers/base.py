@@ -26,6 +26,7 @@ which the runner hook strips before scheduling.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -47,15 +48,40 @@ from vllm_selfspec.workers.draft_model import (
     LayerSubsetDraft,
     key_compile_cache,
 )
-from vllm_selfspec.workers.draft_payoff import DraftPayoff, StepCosts, round_budget
+from vllm_selfspec.workers.draft_payoff import (
+    DraftPayoff,
+    RoundClock,
+    StepCosts,
+    costs_for,
+    round_budget,
+)
 from vllm_selfspec.workers.draft_weights import DraftWeights
 
-# Cost-aware drafting: a new request's assumed per-token acceptance, the decay
-# of its record per verified round, and the gain over plain decoding a budget
-# must promise (a margin for the error of the cost and acceptance estimates).
+# Cost-aware drafting: the per-token acceptance assumed before the engine has
+# verified any draft (afterwards a new request starts from the engine's own
+# record of its drafts), the decay of a record per verified round, and the
+# gain over plain decoding a budget must promise (a margin for the error of
+# the cost and acceptance estimates).
 PRIOR_ACCEPTANCE = 0.6
 PAYOFF_DECAY = 0.8
 MIN_GAIN = 0.05
+# Measured costs are shared from tensor-parallel rank 0 every SHARE_EVERY
+# rounds; a plain step is timed again (one round drafts nothing) when the
+# newest timing is REFRESH_ROUNDS old, as contexts grow.
+SHARE_EVERY = 16
+REFRESH_ROUNDS = 512
+PLAIN_ROUNDS_FIRST = 3  # plain rounds timed before the first draft
+
+
+@dataclass(frozen=True)
+class RoundTiming:
+    """The previous round: its requests, draft steps run, and when its
+    drafting started and ended."""
+
+    req_ids: list[str]
+    steps: int
+    started: float
+    ended: float
 
 
 @dataclass(frozen=True)
@@ -109,8 +135,12 @@ class SelfSpecProposer(DraftModelProposer):
         self._verified_drafts: list[int] | None = None
         self.counters = DraftCounters()
         self.payoffs: dict[str, DraftPayoff] = {}  # per request, for cost_aware
+        self.engine_payoff = DraftPayoff()  # every request's self-drafts: the prior
         self._looked_up: set[str] = set()  # requests whose last drafts were a lookup
-        self.step_costs: StepCosts | None = None  # measured at the first round
+        self.clock = RoundClock()
+        self._previous_round: RoundTiming | None = None
+        self.prior_costs: StepCosts | None = None  # profiling mode, at the first round
+        self.shared_costs: dict[int, StepCosts] = {}  # per batch size, rank 0's
 
     # --- what a method states -------------------------------------------------
     def layer_plan(self, num_layers: int) -> LayerPlan:
@@ -238,8 +268,26 @@ class SelfSpecProposer(DraftModelProposer):
         num_rejected_tokens_gpu: torch.Tensor | None = None,
         slot_mappings=None,
     ) -> torch.Tensor:
+        started = time.perf_counter()
         req_ids = list(self.runner.input_batch.req_ids)
         verified, self._verified_drafts = self._verified_drafts, None
+        self._time_previous_round(req_ids, verified, target_token_ids.shape[0], started)
+        drafts, steps = self._draft_round(
+            req_ids, verified, num_speculative_tokens, target_token_ids, target_positions,
+            target_hidden_states, next_token_ids, token_indices_to_sample,
+            common_attn_metadata, num_rejected_tokens_gpu)
+        self._previous_round = RoundTiming(req_ids, steps, started, time.perf_counter())
+        return drafts
+
+    def _draft_round(self, req_ids: list[str], verified: list[int] | None,
+                     num_speculative_tokens: int, target_token_ids: torch.Tensor,
+                     target_positions: torch.Tensor, target_hidden_states: torch.Tensor,
+                     next_token_ids: torch.Tensor,
+                     token_indices_to_sample: torch.Tensor | None,
+                     common_attn_metadata: CommonAttentionMetadata,
+                     num_rejected_tokens_gpu: torch.Tensor | None,
+                     ) -> tuple[torch.Tensor, int]:
+        """This round's drafts, and how many draft steps produced them."""
         accepted_now: dict[str, int] = {}
         if num_rejected_tokens_gpu is not None and verified is not None:
             for req_id, accepted, scheduled in verified_feedback(
@@ -249,6 +297,7 @@ class SelfSpecProposer(DraftModelProposer):
                     continue  # a lookup draft says nothing of the self-draft
                 self.payoffs.setdefault(req_id, DraftPayoff()).update(
                     accepted, scheduled, PAYOFF_DECAY)
+                self.engine_payoff.update(accepted, scheduled, PAYOFF_DECAY)
                 self.observe_round(req_id, accepted, scheduled)
         live = set(self.runner.requests)
         for req_id in set(self.payoffs) - live:
@@ -272,6 +321,11 @@ class SelfSpecProposer(DraftModelProposer):
         # continue from yet (vLLM discards its sample): it drafts nothing.
         drafting = ~self.runner.discard_request_mask.gpu[:batch_size]
         self._looked_up = set()
+        costs = None
+        if self.options.cost_aware:
+            costs = self.round_costs(batch_size, num_speculative_tokens)
+            if costs is None:  # this round times a plain step
+                return drafts, 0
         if self.options.lookup is not None:
             rows = self.draft_by_lookup(req_ids, target_token_ids, next_token_ids,
                                         common_attn_metadata, accepted_now, drafts)
@@ -279,18 +333,20 @@ class SelfSpecProposer(DraftModelProposer):
                 self._looked_up = {req_ids[row] for row in rows}
                 drafting[rows] = False
         steps = num_speculative_tokens
-        if self.options.cost_aware:
-            budgets = self.round_budgets(req_ids, num_speculative_tokens)
+        if costs is not None:
+            budgets = self.round_budgets(req_ids, costs, num_speculative_tokens)
             budget = torch.tensor(budgets, device=self.device)
             drafting &= budget > 0
             steps = int((budget * drafting).max()) if budgets else 0  # rows still drafting
         if steps == 0 or not bool(drafting.any()):
-            return drafts
+            return drafts, 0
         # The round's tokens so far: the sampled token, then each step's draft.
         round_tokens = next_token_ids.view(batch_size, 1)
+        steps_run = 0
         for step in range(steps):
-            if self.options.cost_aware:
+            if costs is not None:
                 drafting &= budget > step
+            steps_run += 1
             positions = self._advance(positions, cad, batch_size)
             logits, is_draft = self.draft_step(round_tokens, positions, cad, step, drafting)
             token_ids = logits.argmax(dim=-1)
@@ -304,7 +360,7 @@ class SelfSpecProposer(DraftModelProposer):
                 drafting &= ~stop
             if (is_draft is not None or stop is not None) and not bool(drafting.any()):
                 break
-        return drafts
+        return drafts, steps_run
 
     def prepare_inputs_padded(self, common_attn_metadata, spec_decode_metadata,
                               valid_sampled_tokens_count):
@@ -345,28 +401,54 @@ class SelfSpecProposer(DraftModelProposer):
         return rows
 
     # --- cost-aware drafting -------------------------------------------------
-    def round_budgets(self, req_ids: list[str], max_drafts: int) -> list[int]:
+    def round_budgets(self, req_ids: list[str], costs: StepCosts,
+                      max_drafts: int) -> list[int]:
         """Drafts each request may make this round (workers/draft_payoff.py)."""
-        costs = self.measured_step_costs(max_drafts)
         probe = self.counters.rounds % self.options.probe_every == 0
+        prior = self.engine_payoff.acceptance(PRIOR_ACCEPTANCE)
         return [round_budget(self.payoffs.setdefault(req_id, DraftPayoff()), costs,
-                             max_drafts, PRIOR_ACCEPTANCE, MIN_GAIN, probe)
+                             max_drafts, prior, MIN_GAIN, probe)
                 for req_id in req_ids]
 
-    def measured_step_costs(self, max_drafts: int) -> StepCosts:
-        """c and v of this engine's draft, timed once (at the first round, when
-        every graph is compiled and warm) on tensor-parallel rank 0 and shared,
-        so every rank budgets alike."""
-        if self.step_costs is None:
-            from vllm.distributed import get_tp_group
+    def round_costs(self, batch_size: int, max_drafts: int) -> StepCosts | None:
+        """This round's costs from the engine's timed rounds, the same on every
+        tensor-parallel rank (rank 0's, shared on the round clock); None when
+        this round should draft nothing to time a plain step (none timed yet,
+        or the newest is old)."""
+        from vllm.distributed import get_tp_group
 
+        rounds = self.counters.rounds
+        if self.prior_costs is None:
             from vllm_selfspec.workers.profiling import draft_and_verify_costs
 
             # Every rank runs the timing forwards (they hold tensor-parallel
             # collectives); rank 0's numbers are the ones all ranks use.
-            costs = draft_and_verify_costs(self.runner, self, max_drafts)
-            self.step_costs = StepCosts(*get_tp_group().broadcast_object(costs, src=0))
-        return self.step_costs
+            self.prior_costs = get_tp_group().broadcast_object(
+                draft_and_verify_costs(self.runner, self, max_drafts), src=0)
+        # Which rounds share, and the clock's keys, are alike on every rank.
+        ready = self.clock.plain_rounds() >= PLAIN_ROUNDS_FIRST
+        if ready and (rounds % SHARE_EVERY == 0 or not self.shared_costs):
+            self.shared_costs = get_tp_group().broadcast_object(
+                self.clock.costs(self.prior_costs), src=0)
+        stale = rounds - self.clock.newest_plain_round >= REFRESH_ROUNDS
+        if not self.shared_costs or (stale and rounds % SHARE_EVERY == 1):
+            return None
+        return costs_for(self.shared_costs, batch_size)
+
+    def _time_previous_round(self, req_ids: list[str], verified: list[int] | None,
+                             num_tokens: int, started: float) -> None:
+        """Time the round that just ended into the clock, if it was steady:
+        the same requests as the one before and no prefill in the forward."""
+        previous = self._previous_round
+        drafts_verified = sum(verified or ())
+        if (previous is None or previous.req_ids != req_ids
+                or num_tokens != len(req_ids) + drafts_verified):
+            return
+        if previous.steps > 0:
+            self.clock.record_drafted(len(req_ids), previous.steps, started - previous.started)
+        elif drafts_verified == 0:
+            self.clock.record_plain(len(req_ids), started - previous.ended,
+                                    self.counters.rounds)
 
     # --- the draft loop's pieces ---------------------------------------------
     def _decode_metadata(

@@ -1,36 +1,50 @@
 """Whether drafting pays, per request and round: the cost-aware draft budget.
 
-A round that drafts k tokens costs k draft steps (each c plain steps) and a
-verification over k + 1 tokens (1 + k v plain steps), and yields on average
+A round that drafts k tokens costs 1 + F + k w plain decode steps: the
+verification forward (a plain step), the round's fixed extra F (the draft
+loop's set-up, the rejection sampler, bookkeeping) and per draft token w (its
+draft step and its share of the verification). It yields on average
 E(k) = 1 + a + ... + a^k tokens when each draft is accepted with probability a
 (given the one before was). Plain decoding yields 1 token per plain step, so
-drafting k pays when E(k) / (1 + k (c + v)) > 1. The budget is the k in
-0..K that maximises that ratio, and 0 unless it beats 1 by `margin`.
+drafting k pays when E(k) / (1 + F + k w) > 1. The budget is the k in 0..K
+that maximises that ratio, and 0 unless it beats 1 by `margin`.
 
 `a` is the request's own: decayed counts of accepted drafts and of rounds that
 ended in a rejection, a / (1 - a) being accepted drafts per rejection, with a
-prior worth two rounds. A request whose budget is 0 drafts nothing, which also
+prior worth two rounds: the engine's record over every request's self-drafts
+(the same counts), so a new request starts where this draft stands. A request whose budget is 0 drafts nothing, which also
 means its estimate stops moving; on every `probe_every`-th round of the engine
 it drafts one token anyway, so it starts again when its text turns
 predictable. Probes share the engine's round clock, so all idle requests
 probe in the same round and one draft forward serves them all.
 
-c and v are measured once per engine (`StepCosts`) and every input here is the
-same on every tensor-parallel rank, so every rank decides the same.
+F and w come from the engine's own rounds (`RoundClock`): wall time from one
+round's drafting to the next, which is everything a plain vLLM step also pays
+(scheduling, the forward, sampling, output handling) plus what drafting adds.
+Rounds that verified nothing time a plain step; rounds that drafted k tokens
+time 1 + F + k w of them. Until those exist, a profiling-mode estimate of w
+(`StepCosts` from forward timings alone) stands in. Every input of a decision
+is the same on every tensor-parallel rank (the proposer shares rank 0's
+costs), so every rank decides the same.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
 class StepCosts:
-    """A draft step's cost and a verification's extra cost per draft token,
-    both in plain decode steps."""
+    """A drafted round's costs in plain decode steps: per draft token (its
+    draft step and its share of the verification), and the round's fixed
+    extra over a plain step."""
 
-    draft: float
-    verify_per_token: float
+    per_draft: float
+    round_overhead: float = 0.0
 
 
 @dataclass
@@ -61,7 +75,7 @@ def best_budget(acceptance: float, costs: StepCosts, max_drafts: int,
     when no k beats plain decoding by `margin`."""
     best, best_speed = 0, 1.0 + margin
     for drafts in range(1, max_drafts + 1):
-        cost = 1.0 + drafts * (costs.draft + costs.verify_per_token)
+        cost = 1.0 + costs.round_overhead + drafts * costs.per_draft
         speed = expected_tokens(acceptance, drafts) / cost
         if speed > best_speed:
             best, best_speed = drafts, speed
@@ -73,3 +87,79 @@ def round_budget(payoff: DraftPayoff, costs: StepCosts, max_drafts: int, prior: 
     """This round's budget for one request: 1 instead of 0 on a probe round."""
     budget = best_budget(payoff.acceptance(prior), costs, max_drafts, margin)
     return 1 if budget == 0 and probe else budget
+
+
+class RoundClock:
+    """Wall seconds of the engine's rounds, per batch size (at most the
+    scheduler's max_num_seqs keys, each a bounded window): plain rounds (the
+    previous round verified nothing) and drafted ones (seconds from the start
+    of a round that ran k draft steps to the start of the next, which verified
+    them). Only steady rounds count: the same requests as the round before and
+    no prefill tokens in the forward, so idle gaps and prompts never do."""
+
+    def __init__(self, window: int = 64):
+        self.window = window
+        self.plain: dict[int, deque[float]] = {}
+        self.drafted: dict[int, deque[tuple[int, float]]] = {}
+        self.newest_plain_round = -1
+
+    def record_plain(self, batch_size: int, seconds: float, round_index: int) -> None:
+        self.plain.setdefault(batch_size, deque(maxlen=self.window)).append(seconds)
+        self.newest_plain_round = round_index
+
+    def record_drafted(self, batch_size: int, steps: int, seconds: float) -> None:
+        self.drafted.setdefault(batch_size, deque(maxlen=self.window)).append((steps, seconds))
+
+    def plain_rounds(self) -> int:
+        return sum(len(samples) for samples in self.plain.values())
+
+    def plain_seconds(self, batch_size: int) -> float | None:
+        """Median plain round at the nearest batch size measured."""
+        key = _nearest(self.plain, batch_size)
+        return None if key is None else statistics.median(self.plain[key])
+
+    def costs(self, prior: StepCosts, min_samples: int = 3) -> dict[int, StepCosts]:
+        """Costs per batch size with a plain time; the profiling-mode `prior`
+        where too few drafted rounds were timed."""
+        return {batch_size: self._costs_at(batch_size, prior, min_samples)
+                for batch_size in self.plain}
+
+    def _costs_at(self, batch_size: int, prior: StepCosts, min_samples: int) -> StepCosts:
+        plain = self.plain_seconds(batch_size)
+        samples = self.drafted.get(batch_size, ())
+        if len(samples) < min_samples:
+            return prior
+        return fit_round_costs([steps for steps, _ in samples],
+                               [seconds / plain - 1.0 for _, seconds in samples], prior)
+
+    def samples(self) -> dict:
+        """The timed rounds per batch size in seconds, for the benchmark."""
+        return {"plain": {b: list(s) for b, s in self.plain.items()},
+                "drafted": {b: list(s) for b, s in self.drafted.items()}}
+
+
+def fit_round_costs(steps: list[int], extra: list[float], prior: StepCosts) -> StepCosts:
+    """F and w from drafted rounds' extra cost over a plain step (in plain
+    steps): a line through each draft count's median when rounds drafted at
+    least two different counts; otherwise (every round drafted the same k) the
+    prior's w, the rest of the extra being F."""
+    medians = {k: float(np.median([e for s, e in zip(steps, extra) if s == k]))
+               for k in set(steps)}
+    if len(medians) >= 2:
+        counts = [steps.count(k) for k in medians]
+        per_draft, overhead = np.polyfit(list(medians), list(medians.values()), 1,
+                                         w=np.sqrt(counts))
+        if per_draft > 0 and overhead >= 0:
+            return StepCosts(float(per_draft), float(overhead))
+    k, value = max(medians.items(), key=lambda item: steps.count(item[0]))
+    per_draft = min(prior.per_draft, max(value, 0.0) / k)
+    return StepCosts(per_draft, max(value - k * per_draft, 0.0))
+
+
+def costs_for(costs: dict[int, StepCosts], batch_size: int) -> StepCosts:
+    """The costs measured at the batch size nearest `batch_size`."""
+    return costs[_nearest(costs, batch_size)]
+
+
+def _nearest(table: dict[int, object], batch_size: int) -> int | None:
+    return min(table, key=lambda key: (abs(key - batch_size), key), default=None)

@@ -15,6 +15,8 @@ models get the same one-token-per-request batch under a forward context without
 attention metadata (vLLM's profiling mode), so both run every projection, MLP,
 norm and the LM head, and both skip only the attention kernel itself, which at
 the short contexts of a decode step is a small share of the time.
+`selfspec_round_costs` returns what the engine itself timed: whole rounds,
+plain and drafted, everything a user waits for included.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+
+from vllm_selfspec.workers.draft_payoff import StepCosts
 
 
 def _median_seconds(step: Callable[[], Any], vllm_config, batch_size: int,
@@ -151,6 +155,14 @@ class SelfSpecWorkerExtension:
                 "model_bytes": weights.model_bytes,
                 "vocab_tokens": None if vocab is None else len(vocab)}
 
+    def selfspec_round_costs(self) -> dict:
+        """The engine's timed rounds (plain and drafted, seconds, per batch
+        size), the profiling-mode prior and the costs the budget uses now."""
+        drafter = self.model_runner.drafter
+        return {**drafter.clock.samples(),
+                "prior": None if drafter.prior_costs is None else vars(drafter.prior_costs),
+                "shared": {b: vars(c) for b, c in drafter.shared_costs.items()}}
+
     def selfspec_counters(self) -> dict:
         """Rounds (target forwards), draft steps and draft layers run so far."""
         return vars(self.model_runner.drafter.counters).copy()
@@ -165,14 +177,15 @@ def _ray_actor_id() -> str | None:
     return ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
 
 
-def draft_and_verify_costs(runner, drafter, max_drafts: int, repeats: int = 10) -> tuple[
-        float, float]:
-    """A draft step's time and a verification's extra time per draft token,
-    both over a plain decode step's (one request)."""
+def draft_and_verify_costs(runner, drafter, max_drafts: int, repeats: int = 10
+                           ) -> StepCosts:
+    """A draft token's cost from forward timings alone (one request): its
+    draft step and its share of a verification over max_drafts + 1 tokens,
+    in plain forwards. The stand-in until the engine's rounds are timed."""
     plain = _time_forward(runner.model, runner.vllm_config, 1, repeats)
     draft = _time_forward(drafter.model, drafter.vllm_config, 1, repeats)
     verify = _time_forward(runner.model, runner.vllm_config, 1 + max_drafts, repeats)
-    return draft / plain, max(verify - plain, 0.0) / (max_drafts * plain)
+    return StepCosts(per_draft=(draft + max(verify - plain, 0.0) / max_drafts) / plain)
 
 
 def measure_step_costs(worker, batch_size: int = 1, repeats: int = 30) -> dict:
