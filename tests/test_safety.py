@@ -126,3 +126,12 @@ def test_round_clock_fits_fixed_and_per_draft_costs_from_steady_rounds():
     few.record_plain(1, plain_s, round_index=0)
     few.record_drafted(1, 4, plain_s * 3)
     assert few.costs(prior) == {1: prior}  # too few drafted rounds: the prior
+
+    # A plain step timed again after a long run of drafting replaces the old
+    # ones (contexts grew), and only recent plain rounds count as fresh.
+    aged = RoundClock(horizon=100)
+    for i in range(3):
+        aged.record_plain(1, plain_s, round_index=i)
+    assert aged.fresh_plain_rounds(50) == 3 and aged.fresh_plain_rounds(200) == 0
+    aged.record_plain(1, 2 * plain_s, round_index=300)
+    assert aged.plain_seconds(1) == 2 * plain_s and aged.fresh_plain_rounds(300) == 1

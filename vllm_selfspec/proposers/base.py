@@ -66,11 +66,15 @@ PRIOR_ACCEPTANCE = 0.6
 PAYOFF_DECAY = 0.8
 MIN_GAIN = 0.05
 # Measured costs are shared from tensor-parallel rank 0 every SHARE_EVERY
-# rounds; a plain step is timed again (one round drafts nothing) when the
-# newest timing is REFRESH_ROUNDS old, as contexts grow.
+# rounds. An engine first decodes PLAIN_ROUNDS_FIRST steady rounds plainly to
+# time a plain step, and does so again (one round in SHARE_EVERY) whenever fewer
+# than that were timed in the last REFRESH_ROUNDS rounds, as contexts grow; if
+# no steady round comes for NOT_STEADY_ROUNDS rounds (a busy server whose batch
+# changes every step), the profiling-mode estimate serves meanwhile.
 SHARE_EVERY = 16
 REFRESH_ROUNDS = 512
-PLAIN_ROUNDS_FIRST = 3  # plain rounds timed before the first draft
+PLAIN_ROUNDS_FIRST = 3
+NOT_STEADY_ROUNDS = 2 * SHARE_EVERY
 
 
 @dataclass(frozen=True)
@@ -289,16 +293,20 @@ class SelfSpecProposer(DraftModelProposer):
                      ) -> tuple[torch.Tensor, int]:
         """This round's drafts, and how many draft steps produced them."""
         accepted_now: dict[str, int] = {}
+        round_record = [0, 0]  # the engine's: self-drafts accepted, rejections
         if num_rejected_tokens_gpu is not None and verified is not None:
             for req_id, accepted, scheduled in verified_feedback(
                     req_ids, verified, num_rejected_tokens_gpu.tolist()):
                 accepted_now[req_id] = accepted
                 if req_id in self._looked_up:
                     continue  # a lookup draft says nothing of the self-draft
-                self.payoffs.setdefault(req_id, DraftPayoff()).update(
-                    accepted, scheduled, PAYOFF_DECAY)
-                self.engine_payoff.update(accepted, scheduled, PAYOFF_DECAY)
+                payoff = self.payoffs.setdefault(req_id, DraftPayoff())
+                payoff.update(accepted, scheduled, PAYOFF_DECAY)
+                round_record[0] += accepted
+                round_record[1] += int(accepted < scheduled)
                 self.observe_round(req_id, accepted, scheduled)
+            if any(round_record):
+                self.engine_payoff.add_round(*round_record, PAYOFF_DECAY)
         live = set(self.runner.requests)
         for req_id in set(self.payoffs) - live:
             del self.payoffs[req_id]
@@ -425,13 +433,17 @@ class SelfSpecProposer(DraftModelProposer):
             # collectives); rank 0's numbers are the ones all ranks use.
             self.prior_costs = get_tp_group().broadcast_object(
                 draft_and_verify_costs(self.runner, self, max_drafts), src=0)
-        # Which rounds share, and the clock's keys, are alike on every rank.
+        # Which rounds share, and the clock's keys and round indices, are alike
+        # on every rank; only rank 0's timings are used.
+        tp = get_tp_group()
         ready = self.clock.plain_rounds() >= PLAIN_ROUNDS_FIRST
         if ready and (rounds % SHARE_EVERY == 0 or not self.shared_costs):
-            self.shared_costs = get_tp_group().broadcast_object(
-                self.clock.costs(self.prior_costs), src=0)
-        stale = rounds - self.clock.newest_plain_round >= REFRESH_ROUNDS
-        if not self.shared_costs or (stale and rounds % SHARE_EVERY == 1):
+            costs = self.clock.costs(self.prior_costs) if tp.rank_in_group == 0 else None
+            self.shared_costs = tp.broadcast_object(costs, src=0)
+        if not self.shared_costs:
+            return self.prior_costs if rounds >= NOT_STEADY_ROUNDS else None
+        stale = self.clock.fresh_plain_rounds(rounds) < PLAIN_ROUNDS_FIRST
+        if stale and rounds % SHARE_EVERY == 1:
             return None
         return costs_for(self.shared_costs, batch_size)
 
@@ -444,7 +456,9 @@ class SelfSpecProposer(DraftModelProposer):
         if (previous is None or previous.req_ids != req_ids
                 or num_tokens != len(req_ids) + drafts_verified):
             return
-        if previous.steps > 0:
+        if previous.steps > 0 and drafts_verified > 0 and not self._looked_up:
+            # (A round whose drafts all stopped before step 1 verified nothing;
+            # lookup rows verify drafts no draft step made.)
             self.clock.record_drafted(len(req_ids), previous.steps, started - previous.started)
         elif drafts_verified == 0:
             self.clock.record_plain(len(req_ids), started - previous.ended,

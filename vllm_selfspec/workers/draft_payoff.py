@@ -55,8 +55,13 @@ class DraftPayoff:
     rejections: float = 0.0
 
     def update(self, accepted: int, verified: int, decay: float) -> None:
+        self.add_round(accepted, 1 if accepted < verified else 0, decay)
+
+    def add_round(self, accepted: int, rejections: int, decay: float) -> None:
+        """One round's accepted drafts and rejections (over one request, or
+        summed over the batch for the engine's record)."""
         self.accepted = decay * self.accepted + accepted
-        self.rejections = decay * self.rejections + (1.0 if accepted < verified else 0.0)
+        self.rejections = decay * self.rejections + rejections
 
     def acceptance(self, prior: float, prior_weight: float = 2.0) -> float:
         """Per-token acceptance: accepted / (accepted + rejections), smoothed."""
@@ -95,17 +100,27 @@ class RoundClock:
     previous round verified nothing) and drafted ones (seconds from the start
     of a round that ran k draft steps to the start of the next, which verified
     them). Only steady rounds count: the same requests as the round before and
-    no prefill tokens in the forward, so idle gaps and prompts never do."""
+    no prefill tokens in the forward, so idle gaps and prompts never do. A plain
+    time is the median of the plain rounds within `horizon` rounds of the
+    newest at that batch size, so one timed again after a long run of drafting
+    stands for today's context lengths."""
 
-    def __init__(self, window: int = 64):
+    def __init__(self, window: int = 64, horizon: int = 512):
         self.window = window
-        self.plain: dict[int, deque[float]] = {}
-        self.drafted: dict[int, deque[tuple[int, float]]] = {}
+        self.horizon = horizon
+        self.plain: dict[int, deque[tuple[int, float]]] = {}  # (round, seconds)
+        self.drafted: dict[int, deque[tuple[int, float]]] = {}  # (steps, seconds)
         self.newest_plain_round = -1
 
     def record_plain(self, batch_size: int, seconds: float, round_index: int) -> None:
-        self.plain.setdefault(batch_size, deque(maxlen=self.window)).append(seconds)
+        self.plain.setdefault(batch_size, deque(maxlen=self.window)).append(
+            (round_index, seconds))
         self.newest_plain_round = round_index
+
+    def fresh_plain_rounds(self, now: int) -> int:
+        """Plain rounds timed within the last `horizon` rounds (any batch size)."""
+        return sum(1 for samples in self.plain.values()
+                   for round_index, _ in samples if now - round_index < self.horizon)
 
     def record_drafted(self, batch_size: int, steps: int, seconds: float) -> None:
         self.drafted.setdefault(batch_size, deque(maxlen=self.window)).append((steps, seconds))
@@ -116,7 +131,11 @@ class RoundClock:
     def plain_seconds(self, batch_size: int) -> float | None:
         """Median plain round at the nearest batch size measured."""
         key = _nearest(self.plain, batch_size)
-        return None if key is None else statistics.median(self.plain[key])
+        if key is None:
+            return None
+        newest = self.plain[key][-1][0]
+        return statistics.median(seconds for round_index, seconds in self.plain[key]
+                                 if newest - round_index < self.horizon)
 
     def costs(self, prior: StepCosts, min_samples: int = 3) -> dict[int, StepCosts]:
         """Costs per batch size with a plain time; the profiling-mode `prior`
