@@ -48,6 +48,10 @@ def engine_config(model, speculative_config, **kwargs):
          r"speculative_config\.draft_vocab_size: 1000000 is outside 1\.\.32768"),
         ({"method": "draft_verify", "draft_vocab_size": 100},
          r"speculative_config\.draft_vocab_size: needs draft_vocab"),
+        ({"method": "draft_verify", "lookup": {"max_tokens": 0}},
+         r"speculative_config\.lookup: max_tokens 0 must be >= 1"),
+        ({"method": "draft_verify", "lookup": {"min": 2}},
+         r"speculative_config\.lookup: unknown key\(s\) \['min'\]"),
     ],
 )
 def test_bad_config_fails_naming_the_field(model_dir, spec, message):

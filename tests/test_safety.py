@@ -85,11 +85,27 @@ def test_draft_budget_declines_when_drafting_loses_and_probes_again():
     payoff = DraftPayoff()
     for _ in range(10):  # every round rejected at once
         payoff.update(accepted=0, verified=2, decay=0.8)
-    assert round_budget(payoff, cheap, 8, 0.6, 0.05, probe=False) == 0  # declines
-    assert round_budget(payoff, cheap, 8, 0.6, 0.05, probe=True) == 1   # probes
+    assert round_budget(payoff.acceptance(0.6), cheap, 8, 0.05, probe=False) == 0  # declines
+    assert round_budget(payoff.acceptance(0.6), cheap, 8, 0.05, probe=True) == 1   # probes
     for _ in range(10):  # the text turned predictable: every draft accepted
         payoff.update(accepted=4, verified=4, decay=0.8)
-    assert round_budget(payoff, cheap, 8, 0.6, 0.05, probe=False) >= 4
+    assert round_budget(payoff.acceptance(0.6), cheap, 8, 0.05, probe=False) >= 4
+
+
+def test_batch_drafts_only_when_the_drafting_rows_pay_for_the_whole_batch():
+    """A draft step runs every row: at batch 1 the batch's steps are the
+    request's own budget; at batch 4 one eager request cannot pay for a step
+    the other three wait through, four together can."""
+    from vllm_selfspec.workers.draft_payoff import StepCosts, batch_steps, best_budget
+
+    costs = StepCosts(per_draft=0.3, round_overhead=0.1)
+    for acceptance in (0.3, 0.7, 0.95):
+        own = best_budget(acceptance, costs, 8, 0.05)
+        assert batch_steps([acceptance], [own], costs, 1, 0.05) == own
+    assert best_budget(0.95, costs, 8, 0.05) > 0
+    assert batch_steps([0.95, 0.0, 0.0, 0.0], [8, 0, 0, 0], costs, 4, 0.05) == 0
+    assert batch_steps([0.95] * 4, [8] * 4, costs, 4, 0.05) > 0
+    assert batch_steps([], [], costs, 4, 0.05) == 0
 
 
 def test_round_clock_fits_fixed_and_per_draft_costs_from_steady_rounds():

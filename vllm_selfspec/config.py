@@ -91,9 +91,10 @@ class SelfSpecConfig(SpeculativeConfig):
     (default 16)."""
     lookup: dict[str, int] | None = None
     """Try a free draft from the request's own text first: {"min_match": 3,
-    "max_match": 8} (or {} for these defaults). When the request's last
-    min_match..max_match tokens occurred earlier in it, the tokens that
-    followed are this round's drafts and no self-draft runs for it."""
+    "max_match": 8, "max_tokens": 4} (or {} for these defaults). When the
+    request's last min_match..max_match tokens occurred earlier in it, up to
+    max_tokens of the tokens that followed are this round's drafts and no
+    self-draft runs for it."""
 
     # Defaults a method module sets; None means "not given by the user".
     default_num_speculative_tokens: ClassVar[int] = 4
@@ -280,6 +281,10 @@ class SelfSpecConfig(SpeculativeConfig):
             raise SelfSpecConfigError(
                 f"speculative_config.lookup: min_match {self.lookup['min_match']} and "
                 f"max_match {self.lookup['max_match']} need 1 <= min_match <= max_match.")
+        if self.lookup["max_tokens"] < 1:
+            raise SelfSpecConfigError(
+                f"speculative_config.lookup: max_tokens {self.lookup['max_tokens']} must be "
+                ">= 1 (the most tokens one lookup drafts).")
 
     def _validate_draft_weights_for_model(self) -> None:
         from vllm_selfspec.workers.draft_weights import int4_shape_problem

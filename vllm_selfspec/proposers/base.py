@@ -52,6 +52,7 @@ from vllm_selfspec.workers.draft_payoff import (
     DraftPayoff,
     RoundClock,
     StepCosts,
+    batch_steps,
     costs_for,
     round_budget,
 )
@@ -342,10 +343,14 @@ class SelfSpecProposer(DraftModelProposer):
                 drafting[rows] = False
         steps = num_speculative_tokens
         if costs is not None:
-            budgets = self.round_budgets(req_ids, costs, num_speculative_tokens)
+            budgets, acceptances = self.round_budgets(req_ids, costs, num_speculative_tokens)
+            rows = drafting.tolist()
+            budgets = [b if row else 0 for b, row in zip(budgets, rows)]
             budget = torch.tensor(budgets, device=self.device)
             drafting &= budget > 0
-            steps = int((budget * drafting).max()) if budgets else 0  # rows still drafting
+            steps = batch_steps(acceptances, budgets, costs, batch_size, MIN_GAIN)
+            if self.counters.rounds % self.options.probe_every == 0 and any(budgets):
+                steps = max(steps, 1)  # idle requests probe even where the batch would not
         if steps == 0 or not bool(drafting.any()):
             return drafts, 0
         # The round's tokens so far: the sampled token, then each step's draft.
@@ -401,7 +406,7 @@ class SelfSpecProposer(DraftModelProposer):
                 first_rows[row], accepted.get(req_id, 0), next_ids[row])
             found = lookup_draft(context, self.options.lookup["min_match"],
                                  self.options.lookup["max_match"], max_model_len,
-                                 drafts.shape[1])
+                                 min(drafts.shape[1], self.options.lookup["max_tokens"]))
             if len(found):
                 drafts[row, :len(found)] = torch.from_numpy(found).to(drafts.device)
                 rows.append(row)
@@ -409,14 +414,17 @@ class SelfSpecProposer(DraftModelProposer):
         return rows
 
     # --- cost-aware drafting -------------------------------------------------
-    def round_budgets(self, req_ids: list[str], costs: StepCosts,
-                      max_drafts: int) -> list[int]:
-        """Drafts each request may make this round (workers/draft_payoff.py)."""
+    def round_budgets(self, req_ids: list[str], costs: StepCosts, max_drafts: int
+                      ) -> tuple[list[int], list[float]]:
+        """Drafts each request may make this round, and its acceptance
+        estimate (workers/draft_payoff.py)."""
         probe = self.counters.rounds % self.options.probe_every == 0
         prior = self.engine_payoff.acceptance(PRIOR_ACCEPTANCE)
-        return [round_budget(self.payoffs.setdefault(req_id, DraftPayoff()), costs,
-                             max_drafts, prior, MIN_GAIN, probe)
-                for req_id in req_ids]
+        acceptances = [self.payoffs.setdefault(req_id, DraftPayoff()).acceptance(prior)
+                       for req_id in req_ids]
+        budgets = [round_budget(acceptance, costs, max_drafts, MIN_GAIN, probe)
+                   for acceptance in acceptances]
+        return budgets, acceptances
 
     def round_costs(self, batch_size: int, max_drafts: int) -> StepCosts | None:
         """This round's costs from the engine's timed rounds, the same on every

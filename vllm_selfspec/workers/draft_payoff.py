@@ -7,7 +7,10 @@ draft step and its share of the verification). It yields on average
 E(k) = 1 + a + ... + a^k tokens when each draft is accepted with probability a
 (given the one before was). Plain decoding yields 1 token per plain step, so
 drafting k pays when E(k) / (1 + F + k w) > 1. The budget is the k in 0..K
-that maximises that ratio, and 0 unless it beats 1 by `margin`.
+that maximises that ratio, and 0 unless it beats 1 by `margin`. A draft step
+runs every row of the batch, so at batch B the round drafts the number of steps
+whose drafting requests' extra tokens together best beat B times the extra
+cost (`batch_steps`); at batch 1 that is the request's own budget.
 
 `a` is the request's own: decayed counts of accepted drafts and of rounds that
 ended in a rejection, a / (1 - a) being accepted drafts per rejection, with a
@@ -87,11 +90,30 @@ def best_budget(acceptance: float, costs: StepCosts, max_drafts: int,
     return best
 
 
-def round_budget(payoff: DraftPayoff, costs: StepCosts, max_drafts: int, prior: float,
-                 margin: float, probe: bool) -> int:
+def round_budget(acceptance: float, costs: StepCosts, max_drafts: int, margin: float,
+                 probe: bool) -> int:
     """This round's budget for one request: 1 instead of 0 on a probe round."""
-    budget = best_budget(payoff.acceptance(prior), costs, max_drafts, margin)
+    budget = best_budget(acceptance, costs, max_drafts, margin)
     return 1 if budget == 0 and probe else budget
+
+
+def batch_steps(acceptances: list[float], budgets: list[int], costs: StepCosts,
+                batch_size: int, margin: float) -> int:
+    """Draft steps for the whole batch. A step runs every row of the batch, so
+    its cost (measured per batch step at this batch size) is paid once for all
+    requests and k steps pay only when the drafting requests' extra tokens
+    together beat it: the k with the most tokens per plain batch step,
+    (B + sum_i (E_i(min(k, k_i)) - 1)) / (B (1 + F + k w)), and 0 unless it
+    beats plain by `margin`. At batch 1 this is the request's own budget."""
+    best, best_speed = 0, 1.0 + margin
+    for steps in range(1, max(budgets, default=0) + 1):
+        extra = sum(expected_tokens(acceptance, min(steps, budget)) - 1
+                    for acceptance, budget in zip(acceptances, budgets) if budget > 0)
+        cost = batch_size * (1.0 + costs.round_overhead + steps * costs.per_draft)
+        speed = (batch_size + extra) / cost
+        if speed > best_speed:
+            best, best_speed = steps, speed
+    return best
 
 
 class RoundClock:

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-LOOKUP_DEFAULTS = {"min_match": 3, "max_match": 8}
+# A lookup draft is at most `max_tokens` long (vLLM's ngram default k): its
+# tokens cost no draft step but each is verified, and past the first few a
+# match's continuation is seldom the target's (docs/results.md).
+LOOKUP_DEFAULTS = {"min_match": 3, "max_match": 8, "max_tokens": 4}
 
 
 def request_tokens(recorded: np.ndarray, step_tokens: list[int], first_row: int,
