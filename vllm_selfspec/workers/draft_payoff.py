@@ -100,7 +100,7 @@ def round_budget(acceptance: float, costs: StepCosts, max_drafts: int, margin: f
 def batch_steps(acceptances: list[float], budgets: list[int], costs: StepCosts,
                 batch_size: int, margin: float) -> int:
     """Draft steps for the whole batch. A step runs every row of the batch, so
-    its cost (measured per batch step at this batch size) is paid once for all
+    its cost (per batch step, from the nearest batch size timed) is paid once for all
     requests and k steps pay only when the drafting requests' extra tokens
     together beat it: the k with the most tokens per plain batch step,
     (B + sum_i (E_i(min(k, k_i)) - 1)) / (B (1 + F + k w)), and 0 unless it
