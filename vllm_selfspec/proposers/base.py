@@ -343,13 +343,15 @@ class SelfSpecProposer(DraftModelProposer):
                 drafting[rows] = False
         steps = num_speculative_tokens
         if costs is not None:
-            budgets, acceptances = self.round_budgets(req_ids, costs, num_speculative_tokens)
-            rows = drafting.tolist()
-            budgets = [b if row else 0 for b, row in zip(budgets, rows)]
+            probe = self.counters.rounds % self.options.probe_every == 0
+            budgets, acceptances = self.round_budgets(req_ids, costs, num_speculative_tokens,
+                                                      probe)
+            budgets = [b if row_drafts else 0
+                       for b, row_drafts in zip(budgets, drafting.tolist())]
             budget = torch.tensor(budgets, device=self.device)
             drafting &= budget > 0
             steps = batch_steps(acceptances, budgets, costs, batch_size, MIN_GAIN)
-            if self.counters.rounds % self.options.probe_every == 0 and any(budgets):
+            if probe and any(budgets):
                 steps = max(steps, 1)  # idle requests probe even where the batch would not
         if steps == 0 or not bool(drafting.any()):
             return drafts, 0
@@ -414,11 +416,10 @@ class SelfSpecProposer(DraftModelProposer):
         return rows
 
     # --- cost-aware drafting -------------------------------------------------
-    def round_budgets(self, req_ids: list[str], costs: StepCosts, max_drafts: int
-                      ) -> tuple[list[int], list[float]]:
+    def round_budgets(self, req_ids: list[str], costs: StepCosts, max_drafts: int,
+                      probe: bool) -> tuple[list[int], list[float]]:
         """Drafts each request may make this round, and its acceptance
         estimate (workers/draft_payoff.py)."""
-        probe = self.counters.rounds % self.options.probe_every == 0
         prior = self.engine_payoff.acceptance(PRIOR_ACCEPTANCE)
         acceptances = [self.payoffs.setdefault(req_id, DraftPayoff()).acceptance(prior)
                        for req_id in req_ids]
@@ -434,16 +435,16 @@ class SelfSpecProposer(DraftModelProposer):
         from vllm.distributed import get_tp_group
 
         rounds = self.counters.rounds
+        tp = get_tp_group()
         if self.prior_costs is None:
             from vllm_selfspec.workers.profiling import draft_and_verify_costs
 
             # Every rank runs the timing forwards (they hold tensor-parallel
             # collectives); rank 0's numbers are the ones all ranks use.
-            self.prior_costs = get_tp_group().broadcast_object(
+            self.prior_costs = tp.broadcast_object(
                 draft_and_verify_costs(self.runner, self, max_drafts), src=0)
         # Which rounds share, and the clock's keys and round indices, are alike
         # on every rank; only rank 0's timings are used.
-        tp = get_tp_group()
         ready = self.clock.plain_rounds() >= PLAIN_ROUNDS_FIRST
         if ready and (rounds % SHARE_EVERY == 0 or not self.shared_costs):
             costs = self.clock.costs(self.prior_costs) if tp.rank_in_group == 0 else None
