@@ -228,7 +228,11 @@ async def run_clients(url: str, plan: list[dict], clients: int, duration: float)
             progress.update()
 
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # Idle connections are dropped well before vLLM's server closes them
+    # (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): aiohttp's default (15 s) lets a
+    # client reuse a connection the server is closing, a client-side error.
+    connector = aiohttp.TCPConnector(keepalive_timeout=1.0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         await asyncio.gather(*(client(session) for _ in range(clients)))
     progress.close()
     return sorted(outcomes, key=lambda o: o.index)

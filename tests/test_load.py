@@ -36,7 +36,9 @@ def reports(model_dir, tmp_path_factory):
 def test_no_server_errors_under_load(reports, name):
     report = reports[name]
     assert report.requests >= 40
-    assert report.by_status.get("error", 0) == 0, report.errors
+    assert report.by_status.get("error", 0) == 0, "\n".join(
+        f"request {e['index']} ({e['kind']}, {e['seconds']:.3f} s): {e['detail']}"
+        for e in report.errors)
     for status in ("ok", "rejected", "cut"):  # every kind of traffic happened
         assert report.by_status.get(status, 0) > 0, report.by_status
     assert report.preemptions > 0  # the small KV cache really forced preemption
