@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,6 +154,7 @@ class Run:
     draft_layers: float = 0.0  # first repeat; ours from the drafter's counters
     request_tokens_per_s: list[float] = field(default_factory=list)  # all repeats, in order
     search_iterations: list[int] = field(default_factory=list)  # SWIFT: after each request
+    request_sources: list[dict] = field(default_factory=list)  # first repeat, token_sources
 
     def tokens_per_loaded_layer(self, num_layers: int) -> float:
         """eTPL: generated tokens over layers run (each target forward runs all
@@ -236,6 +238,7 @@ def measure(llm, run: Run, prompts: list[str], args) -> None:
                 run.drafted += spec_stats.num_draft_tokens
                 run.accepted += accepted_tokens(spec_stats)
                 run.rounds += sum(spec_stats.histogram)
+                run.request_sources.append(dict(spec_stats.token_sources))
         if repeat == 0 and ours:
             after = llm.collective_rpc("selfspec_counters")[0]
             run.draft_layers = after["draft_layers"] - counted["draft_layers"]
@@ -334,6 +337,21 @@ def del_trace(model_dir: Path, prompt: str, args) -> list[dict]:
     return rounds
 
 
+def round_sources(request_sources: list[dict]) -> dict:
+    """How the requests' rounds drafted (self-draft, lookup, none: declined),
+    as shares of all their rounds, and how many requests used each (our
+    methods' per-request token_sources)."""
+    rounds = Counter()
+    for sources in request_sources:
+        rounds.update({s: sources.get(f"{s}_rounds", 0) for s in ("self", "lookup", "none")})
+    total = sum(rounds.values())
+    if not total:
+        return {}
+    return {"round_sources": {s: round(n / total, 3) for s, n in rounds.items()},
+            "requests_using": {s: sum(bool(r.get(f"{s}_rounds")) for r in request_sources)
+                               for s in rounds}}
+
+
 def summarize(runs: list[Run], num_layers: int, batch_size: int) -> list[dict]:
     plain = next(r for r in runs if r.name == "plain")
     base = statistics.mean(plain.tokens_per_s)
@@ -355,6 +373,7 @@ def summarize(runs: list[Run], num_layers: int, batch_size: int) -> list[dict]:
             "rejection_rate": _round(1 - run.acceptance if run.drafted else None),
             "identical_to_plain": f"{sum(a == b for a, b in zip(run.texts, plain.texts))}"
                                   f"/{len(plain.texts)}",
+            **round_sources(run.request_sources),
             "eTPL": round(run.tokens_per_loaded_layer(num_layers), 4),
             "startup_s": round(run.startup_s, 1),
         }
@@ -638,8 +657,8 @@ def print_table(rows: list[dict], args, num_prompts: int) -> None:
           f"{args.batch_size} ({num_prompts} prompts, {args.max_tokens} new tokens, "
           f"{args.repeats} repeats); CPU flags: {' '.join(cpu_flags())}", file=CONSOLE)
     header = ("method", "tok/s", "speed-up", "spread", "accept", "acc len", "identical",
-              "c", "F", "S*", "meas/S*")
-    line = "{:<26}{:>7}{:>9}{:>12}{:>8}{:>9}{:>10}{:>6}{:>6}{:>6}{:>8}"
+              "c", "F", "S*", "meas/S*", "rounds self/lookup/none %")
+    line = "{:<26}{:>7}{:>9}{:>12}{:>8}{:>9}{:>10}{:>6}{:>6}{:>6}{:>8}  {}"
     print(line.format(*header), file=CONSOLE)
     for row in rows:
         spread = "{:.2f}-{:.2f}".format(*row["speedup_spread"])
@@ -648,7 +667,9 @@ def print_table(rows: list[dict], args, num_prompts: int) -> None:
             _fmt(row["acceptance"]), _fmt(row["mean_accepted_length"]),
             row["identical_to_plain"], _fmt(row.get("draft_step_cost_ratio")),
             _fmt(row.get("round_overhead")), _fmt(row.get("ideal_speedup_S*")),
-            _fmt(row.get("measured_over_S*"))),
+            _fmt(row.get("measured_over_S*")),
+            "/".join(f"{100 * share:.0f}" for share in row["round_sources"].values())
+            if "round_sources" in row else "-"),
             file=CONSOLE)
     print(reading(rows, args.dtype), file=CONSOLE)
 

@@ -34,16 +34,20 @@ class Server:
     def log_tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:]
 
-    def metric(self, name: str) -> float:
-        """Sum of a Prometheus counter or gauge over its label sets."""
-        text = requests.get(f"{self.url}/metrics", timeout=30).text
-        values = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$",
-                            text, flags=re.M)
-        return sum(float(v) for v in values)
+    def metric(self, name: str, scrape: str | None = None, **labels: str) -> float:
+        """Sum of a Prometheus counter or gauge over its label sets that have
+        `labels`, from `scrape` (a /metrics text) or a new scrape."""
+        text = scrape if scrape is not None else requests.get(
+            f"{self.url}/metrics", timeout=30).text
+        found = re.findall(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? ([0-9.e+-]+)$",
+                           text, flags=re.M)
+        wanted = {f'{key}="{value}"' for key, value in labels.items()}
+        return sum(float(value) for label_set, value in found
+                   if wanted <= set(label_set.split(",")))
 
-    def spec_counters(self) -> tuple[float, float, float]:
+    def spec_counters(self, scrape: str | None = None) -> tuple[float, float, float]:
         """vLLM's draft-token, accepted-token and draft-round counters."""
-        return tuple(self.metric(f"vllm:spec_decode_{name}_total")
+        return tuple(self.metric(f"vllm:spec_decode_{name}_total", scrape)
                      for name in ("num_draft_tokens", "num_accepted_tokens", "num_drafts"))
 
     def collective_rpc(self, method: str) -> list:

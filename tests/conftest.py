@@ -8,7 +8,7 @@ import gc
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -202,6 +202,7 @@ class Acceptance:
     drafted: int = 0
     accepted: int = 0
     rounds: int = 0
+    sources: collections.Counter = field(default_factory=collections.Counter)  # our token_sources, summed
 
     def add(self, output) -> None:
         stats = output.outputs[0].spec_decode_metrics
@@ -209,6 +210,7 @@ class Acceptance:
             self.drafted += stats.num_draft_tokens
             self.accepted += sum(j * n for j, n in enumerate(stats.histogram))
             self.rounds += sum(stats.histogram)
+            self.sources.update(stats.token_sources)
 
 
 def greedy(llm, prompts: list[str], batch_size: int, max_tokens: int = 48,

@@ -1,13 +1,13 @@
 """Lookup drafts on the real engine: a request whose output copies its prompt
-drafts from its own text, one that does not self-drafts, and outputs stay
-plain vLLM's at batch 1 and 8."""
+drafts from its own text, one that does not self-drafts, each request's
+summary says where its tokens came from, and outputs stay plain vLLM's at
+batch 1 and 8."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.conftest import Acceptance, greedy, prompts_at, start_engine, stop_engine
-from vllm_selfspec.workers.profiling import WORKER_EXTENSION
 
 # A skip set that drafts badly, so a lookup draft stands out by its acceptance.
 SPEC = {"method": "draft_verify", "num_speculative_tokens": 4, "lookup": {"min_match": 3},
@@ -19,7 +19,7 @@ COPY = f"Repeat the text three times.\n{PASSAGE}\n{PASSAGE}\n"
 
 @pytest.fixture(scope="module")
 def lookup():
-    llm = start_engine(SPEC, worker_extension_cls=WORKER_EXTENSION)
+    llm = start_engine(SPEC)
     yield llm
     stop_engine(llm)
 
@@ -40,10 +40,6 @@ def test_lookup_drafts_continue_an_earlier_match():
     assert len(lookup_draft(tokens, 4, 8, 100, 3)) == 0  # the match is only 3 long
 
 
-def lookup_rounds(llm) -> int:
-    return llm.collective_rpc("selfspec_counters")[0]["lookup_rounds"]
-
-
 @pytest.mark.parametrize("batch_size", [1, 8])
 def test_greedy_output_identical_to_plain_vllm(lookup, plain_outputs, test_prompts,
                                                batch_size):
@@ -52,17 +48,22 @@ def test_greedy_output_identical_to_plain_vllm(lookup, plain_outputs, test_promp
 
 
 def test_a_copying_request_drafts_from_its_own_text(lookup, plain):
-    before = lookup_rounds(lookup)
+    """...and its per-request summary says so, adding up to vLLM's own counts."""
     acceptance = Acceptance()
     (copied,) = greedy(lookup, [COPY], 1, max_tokens=64, acceptance=acceptance)
     assert copied == greedy(plain, [COPY], 1, max_tokens=64)[0]
-    assert lookup_rounds(lookup) - before >= 5
-    assert acceptance.accepted / acceptance.drafted > 0.6, acceptance
+    sources = acceptance.sources
+    assert sources["lookup_rounds"] >= 5, sources
+    assert sources["lookup_accepted"] / sources["lookup_drafted"] > 0.6, sources
+    assert sources["self_drafted"] + sources["lookup_drafted"] == acceptance.drafted
+    assert sources["self_accepted"] + sources["lookup_accepted"] == acceptance.accepted
+    assert sources["self_rounds"] + sources["lookup_rounds"] >= acceptance.rounds
 
 
 def test_a_request_without_repeats_self_drafts(lookup, plain):
     prompt = "Name a colour:"
-    before = lookup_rounds(lookup)
-    (text,) = greedy(lookup, [prompt], 1, max_tokens=6)
+    acceptance = Acceptance()
+    (text,) = greedy(lookup, [prompt], 1, max_tokens=6, acceptance=acceptance)
     assert text == greedy(plain, [prompt], 1, max_tokens=6)[0]
-    assert lookup_rounds(lookup) == before
+    assert acceptance.sources["lookup_rounds"] == 0, acceptance.sources
+    assert acceptance.sources["self_rounds"] + acceptance.sources["none_rounds"] > 0

@@ -87,6 +87,32 @@ def test_patches_are_applied_once_and_originals_kept():
         assert getattr(current, "__func__", current) is patch.resolve_replacement()
 
 
+def test_token_source_counts_cross_from_engine_core_to_front_end():
+    """The fields added to vLLM's dataclasses survive vLLM's own msgspec
+    serialisation of engine-core outputs, and the response summary shows them."""
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.metrics.stats import RequestSpecDecodeMetrics, SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+    patches.apply_patches()
+    request, step = RequestSpecDecodeMetrics.new(4), SpecDecodingStats.new(4)
+    assert request.to_dict().get("token_sources") is None  # nothing counted yet
+    request.observe(num_draft_tokens=4, num_accepted=3)
+    request.token_sources.update(lookup_rounds=1, lookup_drafted=4, lookup_accepted=3)
+    step.token_sources.update(none_rounds=2)
+    sent = EngineCoreOutputs(
+        outputs=[EngineCoreOutput(request_id="r", new_token_ids=[1],
+                                  spec_decode_metrics=request)],
+        scheduler_stats=SchedulerStats(spec_decoding_stats=step))
+    received = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(sent))
+    summary = received.outputs[0].spec_decode_metrics.to_dict()
+    assert summary["token_sources"] == request.token_sources
+    assert summary["num_accepted_draft_tokens"] == 3
+    assert received.scheduler_stats.spec_decoding_stats.token_sources == {"none_rounds": 2}
+    assert RequestSpecDecodeMetrics.new(4).token_sources == {}  # a fresh dict each
+
+
 def test_other_vllm_versions_are_refused(monkeypatch):
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
     with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x only and found "

@@ -22,7 +22,8 @@ def server(request, model_dir, tmp_path_factory):
     from serving import vllm_serve
 
     args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-            "--block-size", "32", "--max-num-seqs", "8"]
+            "--block-size", "32", "--max-num-seqs", "8",
+            "--per-request-spec-decode-metrics", "summary"]
     log = tmp_path_factory.mktemp("server") / "serve.log"
     try:
         with vllm_serve(model_dir, forced(SPECS[request.param]), log, args,
@@ -75,13 +76,27 @@ def test_streaming_assembles_to_plain_vllm(server, model_dir, plain_answers):
 
 
 def test_metrics_count_our_drafts(server, model_dir):
-    drafted, accepted, _ = server.spec_counters()
-    requests.post(f"{server.url}/v1/completions", json={
+    """vLLM's counters and ours by source on /metrics, and the response's
+    per-request summary: all self-drafted here (no lookup configured)."""
+    def counters() -> list[float]:  # one scrape, so all from the same steps
+        scrape = requests.get(f"{server.url}/metrics", timeout=30).text
+        return [*server.spec_counters(scrape),
+                server.metric("vllm:selfspec_draft_tokens_total", scrape, source="self"),
+                server.metric("vllm:selfspec_accepted_tokens_total", scrape, source="self")]
+
+    before = counters()
+    answer = requests.post(f"{server.url}/v1/completions", json={
         "model": str(model_dir), "prompt": "for i in range(10):", "max_tokens": 48,
-        "temperature": 0, "ignore_eos": True}, timeout=120).raise_for_status()
-    drafted_after, accepted_after, _ = server.spec_counters()
-    assert drafted_after > drafted
-    assert accepted_after > accepted
+        "temperature": 0, "ignore_eos": True}, timeout=120).json()
+    drafted, accepted, _, self_drafted, self_accepted = (
+        b - a for a, b in zip(before, counters()))
+    assert drafted > 0 and accepted > 0
+    assert (self_drafted, self_accepted) == (drafted, accepted)
+    summary = answer["metrics"]["speculative_decoding"]
+    sources = summary["token_sources"]
+    assert sources["self_drafted"] == summary["num_draft_tokens"], summary
+    assert sources["self_accepted"] == summary["num_accepted_draft_tokens"], summary
+    assert sources["self_rounds"] >= summary["num_spec_steps"] and "lookup_rounds" not in sources
 
 
 def test_bad_requests_get_4xx_and_server_keeps_serving(server, model_dir):

@@ -1,7 +1,9 @@
 """Every vLLM symbol the plugin replaces, with the original kept.
 
-Seven attributes, each small and named here, are the whole contact surface;
-three more run vLLM's Ray executor on the CPU platform, only when
+Eleven attributes, each small and named here, are the whole contact surface
+(seven run the methods, four count where tokens came from, with two fields
+added to vLLM dataclasses: `token_sources.py`); three more run vLLM's Ray
+executor on the CPU platform, only when
 `SELFSPEC_RAY_CPU=1` asks for it (`ray_cpu.py`). The test
 `tests/test_patches.py` checks that each target still exists in the installed
 vLLM and that applying twice is refused.
@@ -30,8 +32,13 @@ class Patch:
         return getattr(module, self.owner) if self.owner else module
 
     def resolve_replacement(self) -> Callable:
-        module, name = self.replacement.split(":")
-        return getattr(importlib.import_module(module), name)
+        return resolve(self.replacement)
+
+
+def resolve(reference: str) -> Any:
+    """"module:name" in this package, imported on first use."""
+    module, name = reference.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 PATCHES = (
@@ -50,7 +57,8 @@ PATCHES = (
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "take_draft_token_ids",
         "vllm_selfspec.workers.hooks:take_draft_token_ids",
         "drop the unused tail of drafts that stopped early (marked -1), so the "
-        "scheduler verifies only real drafts; the CPU runner inherits it",
+        "scheduler verifies only real drafts, and say which requests' drafts a "
+        "lookup made (token_sources.py); the CPU runner inherits it",
     ),
     Patch(
         "vllm.config.vllm", "VllmConfig", "_get_v2_model_runner_unsupported_features",
@@ -79,6 +87,40 @@ PATCHES = (
         "loses float inputs, so sampling with any speculation was wrong; the CPU "
         "platform registers this function after plugins load",
     ),
+    # Where tokens came from, per request and on /metrics (token_sources.py).
+    Patch(
+        "vllm.v1.core.sched.scheduler", "Scheduler", "update_draft_token_ids",
+        "vllm_selfspec.token_sources:update_draft_token_ids",
+        "label each request's new drafts with their source (self-draft, lookup, "
+        "none), which only the worker knows",
+    ),
+    Patch(
+        "vllm.v1.core.sched.scheduler", "Scheduler", "make_spec_decoding_stats",
+        "vllm_selfspec.token_sources:make_spec_decoding_stats",
+        "where vLLM counts a verification (per request, with its id), count it per source",
+    ),
+    Patch(
+        "vllm.v1.metrics.stats", "RequestSpecDecodeMetrics", "to_dict",
+        "vllm_selfspec.token_sources:request_metrics_to_dict",
+        "the response's per-request spec-decode summary shows the source counts",
+    ),
+    Patch(
+        "vllm.v1.spec_decode.metrics", "SpecDecodingProm", "observe",
+        "vllm_selfspec.token_sources:observe_spec_decoding",
+        "/metrics counts rounds, drafted and accepted tokens per source",
+    ),
+)
+
+# vLLM dataclasses that get one more field, (module, class, adder, why); the
+# adder runs once per process, before vLLM serialises any instance.
+ADDED_FIELDS = (
+    ("vllm.v1.metrics.stats", "RequestSpecDecodeMetrics",
+     "vllm_selfspec.token_sources:add_counts_field",
+     "token_sources: a request's counts per source, carried from the engine core "
+     "to the front end with vLLM's own per-request summary"),
+    ("vllm.v1.spec_decode.metrics", "SpecDecodingStats",
+     "vllm_selfspec.token_sources:add_counts_field",
+     "token_sources: a step's counts per source, for /metrics"),
 )
 
 RAY_CPU_SWITCH = "SELFSPEC_RAY_CPU"
@@ -154,6 +196,8 @@ def apply_patches() -> None:
     """Replace each wanted attribute once per process (a later call, e.g.
     after `SELFSPEC_RAY_CPU` was set, adds only what is missing)."""
     check_vllm_version()
+    for module, owner, adder, _ in ADDED_FIELDS:
+        resolve(adder)(getattr(importlib.import_module(module), owner))
     for patch in wanted_patches():
         if patch in ORIGINALS:
             continue

@@ -115,7 +115,6 @@ class DraftCounters:
     rounds: int = 0
     draft_steps: int = 0
     draft_layers: float = 0.0
-    lookup_rounds: int = 0  # request-rounds drafted by lookup
 
     def add_step(self, layers: float) -> None:
         self.draft_steps += 1
@@ -141,7 +140,7 @@ class SelfSpecProposer(DraftModelProposer):
         self.counters = DraftCounters()
         self.payoffs: dict[str, DraftPayoff] = {}  # per request, for cost_aware
         self.engine_payoff = DraftPayoff()  # every request's self-drafts: the prior
-        self._looked_up: set[str] = set()  # requests whose last drafts were a lookup
+        self.looked_up: set[str] = set()  # requests whose last drafts were a lookup
         self.clock = RoundClock()
         self._previous_round: RoundTiming | None = None
         self.prior_costs: StepCosts | None = None  # profiling mode, at the first round
@@ -299,7 +298,7 @@ class SelfSpecProposer(DraftModelProposer):
             for req_id, accepted, scheduled in verified_feedback(
                     req_ids, verified, num_rejected_tokens_gpu.tolist()):
                 accepted_now[req_id] = accepted
-                if req_id in self._looked_up:
+                if req_id in self.looked_up:
                     continue  # a lookup draft says nothing of the self-draft
                 payoff = self.payoffs.setdefault(req_id, DraftPayoff())
                 payoff.update(accepted, scheduled, PAYOFF_DECAY)
@@ -329,7 +328,7 @@ class SelfSpecProposer(DraftModelProposer):
         # A request whose prompt is still prefilling in chunks has no token to
         # continue from yet (vLLM discards its sample): it drafts nothing.
         drafting = ~self.runner.discard_request_mask.gpu[:batch_size]
-        self._looked_up = set()
+        self.looked_up = set()
         costs = None
         if self.options.cost_aware:
             costs = self.round_costs(batch_size, num_speculative_tokens)
@@ -339,7 +338,7 @@ class SelfSpecProposer(DraftModelProposer):
             rows = self.draft_by_lookup(req_ids, target_token_ids, next_token_ids,
                                         common_attn_metadata, accepted_now, drafts)
             if rows:
-                self._looked_up = {req_ids[row] for row in rows}
+                self.looked_up = {req_ids[row] for row in rows}
                 drafting[rows] = False
         steps = num_speculative_tokens
         if costs is not None:
@@ -412,7 +411,6 @@ class SelfSpecProposer(DraftModelProposer):
             if len(found):
                 drafts[row, :len(found)] = torch.from_numpy(found).to(drafts.device)
                 rows.append(row)
-        self.counters.lookup_rounds += len(rows)
         return rows
 
     # --- cost-aware drafting -------------------------------------------------
@@ -465,7 +463,7 @@ class SelfSpecProposer(DraftModelProposer):
         if (previous is None or previous.req_ids != req_ids
                 or num_tokens != len(req_ids) + drafts_verified):
             return
-        if previous.steps > 0 and drafts_verified > 0 and not self._looked_up:
+        if previous.steps > 0 and drafts_verified > 0 and not self.looked_up:
             # (A round whose drafts all stopped before step 1 verified nothing;
             # lookup rows verify drafts no draft step made.)
             self.clock.record_drafted(len(req_ids), previous.steps, started - previous.started)

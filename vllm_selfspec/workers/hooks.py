@@ -52,8 +52,9 @@ def draft_model_proposer_new(cls: type, *args: Any, **kwargs: Any) -> Any:
 
 
 def take_draft_token_ids(self: Any) -> Any:
-    """Cut each request's drafts at the first NO_DRAFT before scheduling."""
-    from vllm.v1.outputs import DraftTokenIds
+    """Cut each request's drafts at the first NO_DRAFT before scheduling, and
+    say which a lookup made (token_sources.py)."""
+    from vllm_selfspec.token_sources import SourcedDraftTokenIds
 
     drafts = original(
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "take_draft_token_ids"
@@ -65,7 +66,9 @@ def take_draft_token_ids(self: Any) -> Any:
         row[: row.index(NO_DRAFT)] if NO_DRAFT in row else row
         for row in drafts.draft_token_ids
     ]
-    return DraftTokenIds(drafts.req_ids, rows)
+    looked_up = self.drafter.looked_up
+    return SourcedDraftTokenIds(drafts.req_ids, rows,
+                                [req_id in looked_up for req_id in drafts.req_ids])
 
 
 def v2_runner_unsupported_features(self: Any) -> list[str]:

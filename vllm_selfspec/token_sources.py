@@ -1,0 +1,137 @@
+"""Where a request's tokens came from: its own self-draft, a lookup in its own
+text, or no draft at all (a round that declined to draft).
+
+The worker knows which requests a round looked up; vLLM's scheduler knows what
+was verified and accepted. So the worker's draft ids carry one flag per request
+(`SourcedDraftTokenIds`), the scheduler labels each request's pending drafts
+with their source, and where vLLM counts a verification it is counted again
+per source:
+- per request in `RequestSpecDecodeMetrics.token_sources`, which vLLM returns
+  as `metrics.speculative_decoding.token_sources` in each response when the
+  server runs with `--per-request-spec-decode-metrics summary`;
+- per step in `SpecDecodingStats.token_sources`, which the front end adds to
+  the `vllm:selfspec_*` counters on /metrics.
+Declined rounds verify nothing, so the step counts them with the next step
+that verifies a draft. Keys: `<source>_rounds` for source in self, lookup,
+none, and `<source>_drafted`, `<source>_accepted` for self and lookup; a few
+integers per request, gone with the request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+from vllm.v1.outputs import DraftTokenIds
+
+from vllm_selfspec.patches import original
+
+SOURCES = ("self", "lookup", "none")  # "none": the round drafted nothing
+_SCHEDULER = ("vllm.v1.core.sched.scheduler", "Scheduler")
+
+
+@dataclasses.dataclass
+class SourcedDraftTokenIds(DraftTokenIds):
+    """vLLM's draft ids plus, per request, whether a lookup made them."""
+
+    looked_up: list[bool] = dataclasses.field(default_factory=list)
+
+
+def add_counts_field(cls: type) -> None:
+    """Give vLLM dataclass `cls` a `token_sources: dict[str, int]` field (empty
+    by default), in place, so vLLM's msgspec serialisation between the engine
+    core and the front end carries it. Idempotent."""
+    fields = dataclasses.fields(cls)
+    if any(f.name == "token_sources" for f in fields):
+        return
+    params = cls.__dataclass_params__
+    for existing in fields:  # dataclass() removed factory defaults from the class
+        setattr(cls, existing.name, existing)
+    cls.__annotations__["token_sources"] = dict[str, int]
+    cls.token_sources = dataclasses.field(default_factory=dict)
+    for generated in ("__init__", "__repr__", "__eq__", "__match_args__"):
+        if generated in vars(cls):
+            delattr(cls, generated)
+    dataclasses.dataclass(cls, init=params.init, repr=params.repr, eq=params.eq,
+                          order=params.order, unsafe_hash=params.unsafe_hash,
+                          frozen=params.frozen)
+
+
+def _count(scheduler: Any, request: Any, key: str, amount: int) -> None:
+    metrics = getattr(request, "spec_decode_metrics", None)
+    if metrics is not None:
+        metrics.token_sources[key] = metrics.token_sources.get(key, 0) + amount
+    pending = vars(scheduler).setdefault("selfspec_pending_sources", Counter())
+    pending[key] += amount
+
+
+def update_draft_token_ids(self: Any, draft_token_ids: DraftTokenIds) -> None:
+    """vLLM's, then each request's new drafts labelled with their source."""
+    original(*_SCHEDULER, "update_draft_token_ids")(self, draft_token_ids)
+    if not isinstance(draft_token_ids, SourcedDraftTokenIds):
+        return  # not one of our methods
+    for req_id, looked_up in zip(draft_token_ids.req_ids, draft_token_ids.looked_up):
+        request = self.requests.get(req_id)
+        if request is None or request.is_finished() or request.is_prefill_chunk:
+            continue
+        source = ("lookup" if looked_up else "self") if request.spec_token_ids else "none"
+        request.selfspec_draft_source = source
+        _count(self, request, f"{source}_rounds", 1)
+
+
+def make_spec_decoding_stats(self: Any, spec_decoding_stats: Any, num_draft_tokens: int,
+                             num_accepted_tokens: int,
+                             num_invalid_spec_tokens: dict[str, int] | None,
+                             request_id: str) -> Any:
+    """vLLM's count of one verification, then the same per source; the
+    step's stats take the source counts gathered since the last ones."""
+    stats = original(*_SCHEDULER, "make_spec_decoding_stats")(
+        self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
+        num_invalid_spec_tokens, request_id)
+    request = self.requests.get(request_id)
+    source = getattr(request, "selfspec_draft_source", None)
+    if source in ("self", "lookup") and num_draft_tokens:
+        invalid = (num_invalid_spec_tokens or {}).get(request_id, 0)
+        _count(self, request, f"{source}_drafted", num_draft_tokens - invalid)
+        _count(self, request, f"{source}_accepted", num_accepted_tokens)
+    pending = vars(self).get("selfspec_pending_sources")
+    if stats is not None and pending:
+        for key, amount in pending.items():
+            stats.token_sources[key] = stats.token_sources.get(key, 0) + amount
+        pending.clear()
+    return stats
+
+
+def request_metrics_to_dict(self: Any) -> dict[str, Any]:
+    """vLLM's per-request summary, plus `token_sources` when there are any."""
+    result = original("vllm.v1.metrics.stats", "RequestSpecDecodeMetrics", "to_dict")(self)
+    if self.token_sources:
+        result["token_sources"] = dict(self.token_sources)
+    return result
+
+
+_COUNTERS: dict[str, Any] = {}
+
+
+def _counter(kind: str) -> Any:
+    """`vllm:selfspec_<kind>_total{source=...}`, made once per process."""
+    if kind not in _COUNTERS:
+        import prometheus_client
+
+        what = {"rounds": "Request-rounds by the source of their drafts (none: declined)",
+                "drafted": "Draft tokens verified, by source",
+                "accepted": "Draft tokens accepted, by source"}[kind]
+        name = {"drafted": "draft_tokens", "accepted": "accepted_tokens"}.get(kind, kind)
+        _COUNTERS[kind] = prometheus_client.Counter(
+            f"vllm:selfspec_{name}", f"vllm-selfspec: {what}.", labelnames=["source"])
+    return _COUNTERS[kind]
+
+
+def observe_spec_decoding(self: Any, spec_decoding_stats: Any, engine_idx: int = 0) -> None:
+    """vLLM's spec-decode counters, then ours by source."""
+    original("vllm.v1.spec_decode.metrics", "SpecDecodingProm", "observe")(
+        self, spec_decoding_stats, engine_idx)
+    for key, amount in spec_decoding_stats.token_sources.items():
+        source, kind = key.rsplit("_", 1)
+        _counter(kind).labels(source=source).inc(amount)
