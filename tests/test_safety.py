@@ -92,6 +92,16 @@ def test_draft_budget_declines_when_drafting_loses_and_probes_again():
     assert round_budget(payoff.acceptance(0.6), cheap, 8, 0.05, probe=False) >= 4
 
 
+def test_dear_probes_are_spread_out():
+    """A probe that finds nothing costs F + w plain steps: at most 2 % of
+    decoding goes to them, and never more often than probe_every."""
+    from vllm_selfspec.workers.draft_payoff import StepCosts, probe_interval
+
+    assert probe_interval(StepCosts(per_draft=0.1), 16, 0.02) == 16
+    assert probe_interval(StepCosts(per_draft=0.84, round_overhead=0.87), 16, 0.02) == 86
+    assert probe_interval(StepCosts(per_draft=0.64, round_overhead=2.65), 16, 0.02) == 165
+
+
 def test_batch_drafts_only_when_the_drafting_rows_pay_for_the_whole_batch():
     """A draft step runs every row: at batch 1 the batch's steps are the
     request's own budget; at batch 4 one eager request cannot pay for a step

@@ -54,6 +54,7 @@ from vllm_selfspec.workers.draft_payoff import (
     StepCosts,
     batch_steps,
     costs_for,
+    probe_interval,
     round_budget,
 )
 from vllm_selfspec.workers.draft_weights import DraftWeights
@@ -66,6 +67,7 @@ from vllm_selfspec.workers.draft_weights import DraftWeights
 PRIOR_ACCEPTANCE = 0.6
 PAYOFF_DECAY = 0.8
 MIN_GAIN = 0.05
+PROBE_SHARE = 0.02  # of decoding time, at most, spent on probes that find nothing
 # Measured costs are shared from tensor-parallel rank 0 every SHARE_EVERY
 # rounds. An engine first decodes PLAIN_ROUNDS_FIRST steady rounds plainly to
 # time a plain step, and does so again (one round in SHARE_EVERY) whenever fewer
@@ -164,7 +166,8 @@ class SelfSpecProposer(DraftModelProposer):
         or aborted); preempted and unscheduled requests keep theirs."""
 
     def begin_round(self, req_ids: list[str], verified: VerifiedTokens) -> None:
-        """Look at the forward that just ran (called before drafting)."""
+        """Look at the forward that just ran, in a round that self-drafts
+        (called before its first draft step)."""
 
     def per_request_state(self) -> dict[str, int]:
         """Requests with state held now, per kind of state: the requests vLLM
@@ -314,10 +317,6 @@ class SelfSpecProposer(DraftModelProposer):
         batch_size = common_attn_metadata.batch_size()
         if token_indices_to_sample is None:
             token_indices_to_sample = common_attn_metadata.query_start_loc[1:] - 1
-        self.begin_round(req_ids, VerifiedTokens(
-            target_token_ids, target_hidden_states, next_token_ids,
-            token_indices_to_sample, common_attn_metadata.query_start_loc[:batch_size],
-            target_positions, common_attn_metadata))
         self.counters.rounds += 1
         positions = target_positions[token_indices_to_sample]
         cad = self._decode_metadata(common_attn_metadata, num_rejected_tokens_gpu)
@@ -342,7 +341,8 @@ class SelfSpecProposer(DraftModelProposer):
                 drafting[rows] = False
         steps = num_speculative_tokens
         if costs is not None:
-            probe = self.counters.rounds % self.options.probe_every == 0
+            probe = self.counters.rounds % probe_interval(
+                costs, self.options.probe_every, PROBE_SHARE) == 0
             budgets, acceptances = self.round_budgets(req_ids, costs, num_speculative_tokens,
                                                       probe)
             budgets = [b if row_drafts else 0
@@ -354,6 +354,13 @@ class SelfSpecProposer(DraftModelProposer):
                 steps = max(steps, 1)  # idle requests probe even where the batch would not
         if steps == 0 or not bool(drafting.any()):
             return drafts, 0
+        # Only a round that self-drafts pays for the method's look at the
+        # forward (DEL's shadow tokens, SWIFT's search): a declined round
+        # costs what a plain step costs.
+        self.begin_round(req_ids, VerifiedTokens(
+            target_token_ids, target_hidden_states, next_token_ids,
+            token_indices_to_sample, common_attn_metadata.query_start_loc[:batch_size],
+            target_positions, common_attn_metadata))
         # The round's tokens so far: the sampled token, then each step's draft.
         round_tokens = next_token_ids.view(batch_size, 1)
         steps_run = 0

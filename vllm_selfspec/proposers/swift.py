@@ -2,8 +2,9 @@
 confidence-aware drafting.
 
 The engine starts drafting with a uniform skip set at `skip_ratio`. Once a
-request of a task has generated `context_window` + 1 tokens, each engine step
-(every `optimise_every`-th) scores one candidate skip set by its matchness on
+request of a task has generated `context_window` + 1 tokens, each round that
+self-drafts (every `optimise_every`-th; with `cost_aware`, rounds that decline
+to draft do not search) scores one candidate skip set by its matchness on
 that window: how many of the window's next tokens the candidate's draft
 predicts, in one read-only forward of the window over the target's own paged
 KV (the window's tokens attend to the target's K/V; nothing is written). The

@@ -33,6 +33,7 @@ costs), so every rank decides the same.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -95,6 +96,13 @@ def round_budget(acceptance: float, costs: StepCosts, max_drafts: int, margin: f
     """This round's budget for one request: 1 instead of 0 on a probe round."""
     budget = best_budget(acceptance, costs, max_drafts, margin)
     return 1 if budget == 0 and probe else budget
+
+
+def probe_interval(costs: StepCosts, probe_every: int, max_share: float) -> int:
+    """Engine rounds between probes: at least `probe_every`, and far enough
+    apart that a probe that finds nothing (a drafted round of one step: F + w
+    plain steps more than a plain one) costs at most `max_share` of decoding."""
+    return max(probe_every, math.ceil((costs.round_overhead + costs.per_draft) / max_share))
 
 
 def batch_steps(acceptances: list[float], budgets: list[int], costs: StepCosts,
