@@ -29,6 +29,7 @@ from tqdm import tqdm
 from vllm_selfspec import prompts as prompt_sets
 from vllm_selfspec.assets import ROOT, fast_dtype
 from vllm_selfspec.config import CONFIGS_DIR, METHOD_MODULES
+from vllm_selfspec.token_sources import SOURCES
 from vllm_selfspec.workers.draft_payoff import StepCosts, fit_round_costs
 from vllm_selfspec.workers.exit_heads import ExitHeads
 from vllm_selfspec.workers.profiling import WORKER_EXTENSION
@@ -343,7 +344,7 @@ def round_sources(request_sources: list[dict]) -> dict:
     methods' per-request token_sources)."""
     rounds = Counter()
     for sources in request_sources:
-        rounds.update({s: sources.get(f"{s}_rounds", 0) for s in ("self", "lookup", "none")})
+        rounds.update({s: sources.get(f"{s}_rounds", 0) for s in SOURCES})
     total = sum(rounds.values())
     if not total:
         return {}

@@ -27,7 +27,8 @@ from vllm.v1.outputs import DraftTokenIds
 
 from vllm_selfspec.patches import original
 
-SOURCES = ("self", "lookup", "none")  # "none": the round drafted nothing
+DRAFT_SOURCES = ("self", "lookup")
+SOURCES = (*DRAFT_SOURCES, "none")  # "none": the round drafted nothing
 _SCHEDULER = ("vllm.v1.core.sched.scheduler", "Scheduler")
 
 
@@ -91,7 +92,7 @@ def make_spec_decoding_stats(self: Any, spec_decoding_stats: Any, num_draft_toke
         num_invalid_spec_tokens, request_id)
     request = self.requests.get(request_id)
     source = getattr(request, "selfspec_draft_source", None)
-    if source in ("self", "lookup") and num_draft_tokens:
+    if source in DRAFT_SOURCES and num_draft_tokens:
         invalid = (num_invalid_spec_tokens or {}).get(request_id, 0)
         _count(self, request, f"{source}_drafted", num_draft_tokens - invalid)
         _count(self, request, f"{source}_accepted", num_accepted_tokens)
