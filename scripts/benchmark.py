@@ -311,14 +311,10 @@ def static_exit_grid(model_dir: Path, prompts: list[str], plain: Run, args) -> l
     return summarize([plain, *runs], args.num_layers, args.batch_size)[1:]
 
 
-def del_with_step_overhead(runs: list[Run], model_dir: Path, prompts: list[str],
-                           args) -> Run:
-    """DEL whose TPL counts each forward's fixed cost, given or as measured."""
-    if args.del_step_overhead == "measured":
-        measured = next(r for r in runs if r.name == "del").step_costs["exit_costs"]
-        overhead = round(measured["step_overhead_layers"], 1)
-    else:
-        overhead = float(args.del_step_overhead)
+def del_with_step_overhead(model_dir: Path, prompts: list[str], args) -> Run:
+    """DEL whose TPL counts a given fixed cost per forward (0: the paper's
+    layer count) beside the default, measured one."""
+    overhead = float(args.del_step_overhead)
     run = Run(f"del o={overhead:g}", {**del_config(args), "step_overhead": overhead})
     run_engine(run, model_dir, prompts, args)
     return run
@@ -572,9 +568,9 @@ def main() -> None:
                         help="without trained heads: DEL's candidate exits for the own LM "
                              "head (default every 2nd layer; each costs an LM-head pass "
                              "per round)")
-    parser.add_argument("--del-step-overhead", metavar="LAYERS|measured",
-                        help="also run del with this step_overhead ('measured': the "
-                             "value the del run measured)")
+    parser.add_argument("--del-step-overhead", metavar="LAYERS", type=float,
+                        help="also run del with this step_overhead (0: the paper's layer "
+                             "count; default del measures it)")
     parser.add_argument("--del-trace", action="store_true",
                         help="also plot DEL's exit layer and threshold over one request "
                              "whose text turns from code to prose")
@@ -617,8 +613,8 @@ def main() -> None:
     runs = [Run(name, configs[name]) for name in chosen]
     for run in tqdm(runs, desc="engines", file=CONSOLE):
         run_engine(run, model_dir, prompts, args)
-    if args.del_step_overhead:
-        runs.append(del_with_step_overhead(runs, model_dir, prompts, args))
+    if args.del_step_overhead is not None:
+        runs.append(del_with_step_overhead(model_dir, prompts, args))
 
     rows = summarize(runs, args.num_layers, args.batch_size)
     sweep = threshold_sweep(model_dir, prompts, runs[0], args) if args.threshold_sweep else []

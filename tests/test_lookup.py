@@ -40,6 +40,31 @@ def test_lookup_drafts_continue_an_earlier_match():
     assert len(lookup_draft(tokens, 4, 8, 100, 3)) == 0  # the match is only 3 long
 
 
+def test_the_matcher_is_compiled_at_start_up_for_vllms_token_dtype():
+    """The proposer compiles vLLM's numba matcher when it loads, for the dtype
+    of vLLM's token record, so no request pays the compile (a fresh process:
+    this one's matcher may be compiled already)."""
+    import subprocess
+    import sys
+
+    script = ("import torch\n"
+              "from vllm.v1.spec_decode.ngram_proposer import "
+              "_find_longest_matched_ngram_and_propose_tokens as matcher\n"
+              "from vllm.v1.worker.gpu_input_batch import InputBatch\n"
+              "from vllm_selfspec.workers.lookup import compile_lookup\n"
+              "assert not matcher.signatures\n"
+              "compile_lookup(100)\n"
+              "batch = InputBatch(max_num_reqs=1, max_model_len=8, max_num_batched_tokens=8,\n"
+              "                   device=torch.device('cpu'), vocab_size=10,\n"
+              "                   block_sizes=[16], max_num_blocks_per_req=[1])\n"
+              "print(matcher.signatures[0][0].dtype, batch.token_ids_cpu.dtype)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    compiled, recorded = done.stdout.split()[-2:]
+    assert compiled == recorded
+
+
 @pytest.mark.parametrize("batch_size", [1, 8])
 def test_greedy_output_identical_to_plain_vllm(lookup, plain_outputs, test_prompts,
                                                batch_size):

@@ -199,6 +199,10 @@ class SelfSpecProposer(DraftModelProposer):
         self._draft_attn_layer_names = {
             layer.self_attn.attn.layer_name for layer in layers
         }
+        if self.options.lookup is not None:
+            from vllm_selfspec.workers.lookup import compile_lookup
+
+            compile_lookup(self.vllm_config.model_config.max_model_len)
 
     def build_draft(self, num_layers: int) -> nn.Module:
         return self._build_draft(self.layer_plan(num_layers))
@@ -318,8 +322,6 @@ class SelfSpecProposer(DraftModelProposer):
         if token_indices_to_sample is None:
             token_indices_to_sample = common_attn_metadata.query_start_loc[1:] - 1
         self.counters.rounds += 1
-        positions = target_positions[token_indices_to_sample]
-        cad = self._decode_metadata(common_attn_metadata, num_rejected_tokens_gpu)
         drafts = torch.full(
             (batch_size, num_speculative_tokens), NO_DRAFT, dtype=torch.int64,
             device=self.device,
@@ -361,6 +363,8 @@ class SelfSpecProposer(DraftModelProposer):
             target_token_ids, target_hidden_states, next_token_ids,
             token_indices_to_sample, common_attn_metadata.query_start_loc[:batch_size],
             target_positions, common_attn_metadata))
+        positions = target_positions[token_indices_to_sample]
+        cad = self._decode_metadata(common_attn_metadata, num_rejected_tokens_gpu)
         # The round's tokens so far: the sampled token, then each step's draft.
         round_tokens = next_token_ids.view(batch_size, 1)
         steps_run = 0

@@ -17,8 +17,13 @@ the last `stat_positions` prompt positions) tells which layers would have
 predicted the tokens that followed, and how confidently. The candidate layers
 enter the compile hash: they change the target's graph.
 
+TPL counts a forward's fixed cost (`step_overhead`, in layers), measured by
+default: on a CPU the LM head and the engine's per-step work cost several
+layers, and the paper's pure layer count drafts where wall time says not to.
+
 State is per request and fed only from tokens and gathered logits, which are
-identical on every tensor-parallel rank, so every rank makes the same choices.
+identical on every tensor-parallel rank, and the measured overhead is rank
+0's on every rank, so every rank makes the same choices.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ from vllm_selfspec.proposers.base import VerifiedTokens
 from vllm_selfspec.proposers.early_exit import EarlyExitConfig, EarlyExitProposer
 from vllm_selfspec.workers.exit_stats import ExitChoice, ExitStats
 
+# Timings per exit layer for the measured step_overhead: a few suffice, as the
+# fit runs through every exit (about a second on SmolLM2, once per engine).
+EXIT_TIMING_REPEATS = 5
+
 
 @config
 class DelConfig(EarlyExitConfig):
@@ -51,8 +60,9 @@ class DelConfig(EarlyExitConfig):
     this-many prompt positions (default 32)."""
     step_overhead: float | None = None
     """A forward's fixed cost (LM head, sampling, engine) in decoder layers,
-    added to every draft step and to the verification in TPL's cost (default 0:
-    the paper's layer count). `scripts/benchmark.py` prints a measured value."""
+    added to every draft step and to the verification in TPL's cost. Default:
+    measured by the engine at its first drafted round; 0 is the paper's layer
+    count."""
     exit_layer: int | None = None
     """Fix the exit layer (DEL's ablation; default: chosen every round)."""
     draft_length: int | None = None
@@ -79,8 +89,9 @@ class DelConfig(EarlyExitConfig):
             self.num_speculative_tokens = self.max_draft
         self.max_draft = self.num_speculative_tokens
         self.stat_positions = 32 if self.stat_positions is None else self.stat_positions
-        self.step_overhead = 0.0 if self.step_overhead is None else float(self.step_overhead)
-        if self.step_overhead < 0:
+        if self.step_overhead is not None:
+            self.step_overhead = float(self.step_overhead)
+        if self.step_overhead is not None and self.step_overhead < 0:
             raise SelfSpecConfigError(
                 f"speculative_config.step_overhead: {self.step_overhead} must be >= 0 "
                 "(decoder layers' worth of fixed cost per forward).")
@@ -132,6 +143,7 @@ class DelProposer(EarlyExitProposer):
         self.exit_stats: dict[str, ExitStats] = {}
         self.plan: RoundPlan | None = None
         self.trace: dict[str, list[dict]] | None = None  # per round, when enabled
+        self.measured_overhead: float | None = None  # rank 0's, at the first drafted round
 
     def aux_hidden_state_layers(self) -> tuple[int, ...]:
         return tuple(self.options.exit_layers)
@@ -141,6 +153,7 @@ class DelProposer(EarlyExitProposer):
         counts = self._shadow_counts(verified).cpu().numpy()
         layers = np.asarray(self.options.exit_layers)
         num_layers = self.model.plan.num_layers
+        overhead = self.step_overhead()
         choices = []
         for row, req_id in enumerate(req_ids):
             stats = self.exit_stats.get(req_id)
@@ -150,7 +163,7 @@ class DelProposer(EarlyExitProposer):
             stats.update(valid[0], matched, matched_conf, mismatched_conf)
             choices.append(stats.choose(num_layers, self.options.max_draft,
                                         self.options.exit_layer, self.options.draft_length,
-                                        self.options.step_overhead))
+                                        overhead))
         self.plan = RoundPlan(
             choices,
             torch.tensor([c.threshold for c in choices], device=self.device),
@@ -159,8 +172,24 @@ class DelProposer(EarlyExitProposer):
         if self.trace is not None:
             for req_id, choice in zip(req_ids, choices):
                 self.trace.setdefault(req_id, []).append({
-                    **vars(choice),
+                    **vars(choice), "step_overhead": overhead,
                     "acceptance_per_layer": self.exit_stats[req_id].acceptance().tolist()})
+
+    def step_overhead(self) -> float:
+        """TPL's fixed cost per forward, in layers: the configured one, else
+        measured once (a line through the draft step's time at each exit,
+        workers/profiling.py) on every rank, rank 0's kept by all."""
+        if self.options.step_overhead is not None:
+            return self.options.step_overhead
+        if self.measured_overhead is None:
+            from vllm.distributed import get_tp_group
+
+            from vllm_selfspec.workers.profiling import measure_exit_costs
+
+            costs = measure_exit_costs(self.runner, repeats=EXIT_TIMING_REPEATS)
+            overhead = max(costs["step_overhead_layers"], 0.0)
+            self.measured_overhead = get_tp_group().broadcast_object(overhead, src=0)
+        return self.measured_overhead
 
     def _shadow_counts(self, verified: VerifiedTokens) -> torch.Tensor:
         """[batch, 4, candidates]: valid positions (repeated per candidate),

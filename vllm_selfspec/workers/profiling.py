@@ -67,12 +67,11 @@ def _time_forward(model, vllm_config, batch_size: int, repeats: int) -> float:
     return _median_seconds(step, vllm_config, batch_size, repeats)
 
 
-def measure_exit_costs(worker, batch_size: int = 1, repeats: int = 30) -> dict:
+def measure_exit_costs(runner, batch_size: int = 1, repeats: int = 30) -> dict:
     """Early-exit drafts: seconds of a draft step exiting at each exit layer E
     (segments up to E and the LM head). A line through them, T(E) = t*(E + o),
     gives a layer's time t and a step's fixed cost o in layers: DEL's
     `step_overhead`."""
-    runner = worker.model_runner
     model = runner.drafter.model
     input_ids = torch.zeros(batch_size, dtype=torch.int32)
     positions = torch.zeros(batch_size, dtype=torch.int64)
@@ -109,7 +108,7 @@ class SelfSpecWorkerExtension:
         return measure_step_costs(self, batch_size, repeats)
 
     def selfspec_exit_costs(self, batch_size: int = 1, repeats: int = 30) -> dict:
-        return measure_exit_costs(self, batch_size, repeats)
+        return measure_exit_costs(self.model_runner, batch_size, repeats)
 
     def selfspec_set_skip_set(self, attn_skip: list[int], mlp_skip: list[int]) -> str:
         return set_skip_set(self, attn_skip, mlp_skip)
