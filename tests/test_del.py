@@ -120,8 +120,8 @@ def test_tensor_parallel_ranks_agree(tiny_llama_dir, tiny_llama_outputs, test_pr
     assert acceptance.drafted > 100
     assert first == second
     assert sum(len(rounds) for rounds in first.values()) > 8 * 10
-    overheads = {r["step_overhead"] for rounds in first.values() for r in rounds}
-    assert len(overheads) == 1 and overheads.pop() > 0  # measured once, an LM head's worth
+    # Measured once, on every rank (their timings differ; rank 0's is used).
+    assert len({r["step_overhead"] for rounds in first.values() for r in rounds}) == 1
 
 
 def test_sampling_after_rejected_drafts_keeps_the_target_distribution(dynamic_exit, plain):

@@ -28,6 +28,7 @@ identical on every tensor-parallel rank, and the measured overhead is rank
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -186,8 +187,11 @@ class DelProposer(EarlyExitProposer):
 
             from vllm_selfspec.workers.profiling import measure_exit_costs
 
-            costs = measure_exit_costs(self.runner, repeats=EXIT_TIMING_REPEATS)
-            overhead = max(costs["step_overhead_layers"], 0.0)
+            fitted = measure_exit_costs(self.runner, repeats=EXIT_TIMING_REPEATS)[
+                "step_overhead_layers"]
+            # No usable line (one exit at the last layer, or timing noise over
+            # exits too close to tell apart): the paper's layer count.
+            overhead = fitted if math.isfinite(fitted) and fitted > 0 else 0.0
             self.measured_overhead = get_tp_group().broadcast_object(overhead, src=0)
         return self.measured_overhead
 

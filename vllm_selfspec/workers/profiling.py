@@ -89,11 +89,14 @@ def measure_exit_costs(runner, batch_size: int = 1, repeats: int = 30) -> dict:
     plain = _time_forward(runner.model, runner.vllm_config, batch_size, repeats)
     exits = np.array(list(seconds), dtype=float)
     times = np.array(list(seconds.values()))
+    num_layers = model.plan.num_layers
     if len(exits) > 1:
         layer_s, fixed_s = np.polyfit(exits, times, 1)
-    else:  # one exit: the plain step's layers give the second point
-        layer_s = (plain - times[0]) / (model.plan.num_layers - exits[0])
+    elif exits[0] < num_layers:  # one exit: the plain step's layers give the second point
+        layer_s = (plain - times[0]) / (num_layers - exits[0])
         fixed_s = times[0] - layer_s * exits[0]
+    else:  # one exit after the last layer: a single point, no line
+        layer_s, fixed_s = times[0] / num_layers, float("nan")
     return {"exit_step_s": seconds, "plain_step_s": plain, "layer_s": float(layer_s),
             "step_overhead_layers": float(fixed_s / layer_s)}
 
