@@ -314,7 +314,7 @@ def static_exit_grid(model_dir: Path, prompts: list[str], plain: Run, args) -> l
 def del_with_step_overhead(model_dir: Path, prompts: list[str], args) -> Run:
     """DEL whose TPL counts a given fixed cost per forward (0: the paper's
     layer count) beside the default, measured one."""
-    overhead = float(args.del_step_overhead)
+    overhead = args.del_step_overhead
     run = Run(f"del o={overhead:g}", {**del_config(args), "step_overhead": overhead})
     run_engine(run, model_dir, prompts, args)
     return run

@@ -90,12 +90,12 @@ class DelConfig(EarlyExitConfig):
             self.num_speculative_tokens = self.max_draft
         self.max_draft = self.num_speculative_tokens
         self.stat_positions = 32 if self.stat_positions is None else self.stat_positions
-        if self.step_overhead is not None:
+        if self.step_overhead is not None:  # None: measured by the engine
             self.step_overhead = float(self.step_overhead)
-        if self.step_overhead is not None and self.step_overhead < 0:
-            raise SelfSpecConfigError(
-                f"speculative_config.step_overhead: {self.step_overhead} must be >= 0 "
-                "(decoder layers' worth of fixed cost per forward).")
+            if self.step_overhead < 0:
+                raise SelfSpecConfigError(
+                    f"speculative_config.step_overhead: {self.step_overhead} must be >= 0 "
+                    "(decoder layers' worth of fixed cost per forward).")
         for name in ("max_draft", "stat_positions", "exit_layer_stride"):
             value = getattr(self, name)
             if value is not None and value < 1:
