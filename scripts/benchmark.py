@@ -27,7 +27,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from vllm_selfspec import prompts as prompt_sets
-from vllm_selfspec.assets import ROOT, fast_dtype
+from vllm_selfspec.assets import ROOT, cpu_flags, fast_dtype
 from vllm_selfspec.config import CONFIGS_DIR, METHOD_MODULES
 from vllm_selfspec.token_sources import SOURCES
 from vllm_selfspec.workers.draft_payoff import StepCosts, fit_round_costs
@@ -77,10 +77,18 @@ FULL_DEPTH = {"method": "draft_verify", "num_speculative_tokens": 4,
               "adaptive_threshold": False, "threshold": 0.0, "cost_aware": False}
 
 
+# Plain vLLM as every speculative method but EAGLE-style ones runs it: vLLM
+# 0.32 turns async scheduling off for them (ngram included), so each step's
+# scheduling and output handling no longer overlap the forward. The floor for
+# a method that declines every round.
+PLAIN_WITHOUT_ASYNC = "plain_without_async_scheduling"
+
+
 def method_configs(model_dir: Path, args) -> dict[str, dict | None]:
     config_file = args.model
     configs = {
         "plain": None,
+        PLAIN_WITHOUT_ASYNC: None,
         "draft_verify": {"method": "draft_verify", "config_file": config_file},
         "draft_verify_full_depth": FULL_DEPTH,
         "ngram": {"method": "ngram", "num_speculative_tokens": 4,
@@ -143,7 +151,8 @@ class Run:
     name: str
     speculative_config: dict | None
     texts: list[str] = field(default_factory=list)
-    tokens_per_s: list[float] = field(default_factory=list)  # one per repeat
+    tokens_per_s: list[float] = field(default_factory=list)  # one per repeat, all starts
+    start_tokens_per_s: list[float] = field(default_factory=list)  # mean of each engine start
     drafted: int = 0
     accepted: int = 0
     rounds: int = 0
@@ -180,22 +189,15 @@ class Run:
         return self.drafted / self.rounds if self.rounds else None
 
 
-def start(model_dir: Path, spec: dict | None, args):
+def start(model_dir: Path, spec: dict | None, args, name: str = ""):
     from vllm import LLM
 
     extra = {"per_request_spec_decode_metrics": "summary"} if spec else {}
+    if name == PLAIN_WITHOUT_ASYNC:
+        extra["async_scheduling"] = False
     return LLM(model=str(model_dir), dtype=args.dtype, max_model_len=2048, seed=0,
                enforce_eager=args.eager, disable_log_stats=False,
                worker_extension_cls=WORKER_EXTENSION, speculative_config=spec, **extra)
-
-
-def cpu_flags() -> list[str]:
-    """The CPU features that decide bf16 and int8 speed (AVX2, AVX-512, VNNI, AMX)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8",
-              "amx_tile")
-    return [flag for flag in wanted if flag in flags]
 
 
 def decode_time(output) -> tuple[int, float]:
@@ -210,7 +212,9 @@ def accepted_tokens(spec_stats) -> int:
 
 
 def measure(llm, run: Run, prompts: list[str], args) -> None:
-    """Decode the prompts one at a time, `args.repeats` times, into `run`."""
+    """Decode the prompts one at a time, `args.repeats` times, into `run`.
+    Acceptance and token counts come from the first repeat of the first
+    engine start; speeds from every repeat of every start."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -218,7 +222,10 @@ def measure(llm, run: Run, prompts: list[str], args) -> None:
     ours = run.speculative_config and run.speculative_config["method"] in METHOD_MODULES
     counted = llm.collective_rpc("selfspec_counters")[0] if ours else None
     batch = args.batch_size
+    first_start = not run.start_tokens_per_s
+    speeds = []
     for repeat in range(args.repeats):
+        counting = first_start and repeat == 0
         tokens, seconds = 0, 0.0
         texts = []
         for output in generate_batches(llm, prompts, params, batch,
@@ -232,21 +239,23 @@ def measure(llm, run: Run, prompts: list[str], args) -> None:
             tokens += decoded
             seconds += decode_seconds / batch  # requests of a batch decode together
             texts.append(output.outputs[0].text)
-            if repeat == 0:
+            if counting:
                 run.generated += decoded + 1
-            if repeat == 0 and output.outputs[0].spec_decode_metrics is not None:
+            if counting and output.outputs[0].spec_decode_metrics is not None:
                 spec_stats = output.outputs[0].spec_decode_metrics
                 run.drafted += spec_stats.num_draft_tokens
                 run.accepted += accepted_tokens(spec_stats)
                 run.rounds += sum(spec_stats.histogram)
                 run.request_sources.append(dict(spec_stats.token_sources))
-        if repeat == 0 and ours:
+        if counting and ours:
             after = llm.collective_rpc("selfspec_counters")[0]
             run.draft_layers = after["draft_layers"] - counted["draft_layers"]
-        run.tokens_per_s.append(tokens / seconds)
+        speeds.append(tokens / seconds)
         run.decode_seconds += seconds
         run.decode_tokens = tokens
         run.texts = texts
+    run.tokens_per_s.extend(speeds)
+    run.start_tokens_per_s.append(statistics.mean(speeds))
 
 
 def generate_batches(llm, prompts: list[str], params, batch: int, desc: str):
@@ -256,19 +265,32 @@ def generate_batches(llm, prompts: list[str], params, batch: int, desc: str):
 
 
 def run_engine(run: Run, model_dir: Path, prompts: list[str], args) -> None:
+    """Start an engine for `run` and measure; at its first start also take
+    the drafter's step costs."""
+    first_start = not run.start_tokens_per_s
     started = time.perf_counter()
-    llm = start(model_dir, run.speculative_config, args)
-    run.startup_s = time.perf_counter() - started
+    llm = start(model_dir, run.speculative_config, args, run.name)
+    if first_start:
+        run.startup_s = time.perf_counter() - started
     measure(llm, run, prompts, args)
-    spec = run.speculative_config
-    if spec is not None and spec["method"] in METHOD_MODULES:
-        run.step_costs = llm.collective_rpc("selfspec_step_costs")[0]
-        run.step_costs["rounds"] = llm.collective_rpc("selfspec_round_costs")[0]
-    if spec is not None and spec["method"] == "del":
-        run.step_costs["exit_costs"] = llm.collective_rpc("selfspec_exit_costs")[0]
-    if spec is not None and spec["method"] == "swift":
-        run.step_costs["search"] = llm.collective_rpc("selfspec_search")[0]
+    if first_start:
+        run.step_costs = step_costs(llm, run.speculative_config)
     shutdown(llm)
+
+
+def step_costs(llm, spec: dict | None) -> dict | None:
+    """Our drafter's step and round costs (DEL: per exit; SWIFT: its search),
+    and where a plain and a draft forward spend their time, by operator."""
+    if spec is None or spec["method"] not in METHOD_MODULES:
+        return None
+    costs = llm.collective_rpc("selfspec_step_costs")[0]
+    costs["rounds"] = llm.collective_rpc("selfspec_round_costs")[0]
+    costs["forward_profile"] = llm.collective_rpc("selfspec_profile_forwards")[0]
+    if spec["method"] == "del":
+        costs["exit_costs"] = llm.collective_rpc("selfspec_exit_costs")[0]
+    if spec["method"] == "swift":
+        costs["search"] = llm.collective_rpc("selfspec_search")[0]
+    return costs
 
 
 def shutdown(llm) -> None:
@@ -355,13 +377,23 @@ def summarize(runs: list[Run], num_layers: int, batch_size: int) -> list[dict]:
     rows = []
     for run in runs:
         speed = statistics.mean(run.tokens_per_s)
+        # Spread over engine starts when there are several (each against
+        # plain's same start; plain's own starts against their mean), else
+        # over the repeats of the one start.
+        if len(run.start_tokens_per_s) < 2:
+            spread = [repeat / base for repeat in run.tokens_per_s]
+        elif run is plain:
+            spread = [start / base for start in run.start_tokens_per_s]
+        else:
+            spread = [ours / theirs for ours, theirs in
+                      zip(run.start_tokens_per_s, plain.start_tokens_per_s)]
         row = {
             "method": run.name,
             "tokens_per_s": round(speed, 2),
             "tokens_per_s_runs": [round(x, 2) for x in run.tokens_per_s],
+            "tokens_per_s_starts": [round(x, 2) for x in run.start_tokens_per_s],
             "speedup": round(speed / base, 3),
-            "speedup_spread": [round(min(run.tokens_per_s) / base, 3),
-                               round(max(run.tokens_per_s) / base, 3)],
+            "speedup_spread": [round(min(spread), 3), round(max(spread), 3)],
             "acceptance": _round(run.acceptance),
             "mean_accepted_length": _round(run.mean_accepted_length),
             "drafts_per_round": _round(run.drafts_per_round),
@@ -548,6 +580,10 @@ def main() -> None:
                              "answers repeat their prompts (code edits, rewrites)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--engine-starts", type=int, default=1,
+                        help="start every engine this many times, in turn; the spread is "
+                             "then over starts (each against plain's same start), which "
+                             "moves more than repeats within one start")
     parser.add_argument("--dtype", default=fast_dtype(),
                         help="(default: bfloat16 where the hardware has it, else float32)")
     parser.add_argument("--eager", action="store_true", help="no torch.compile")
@@ -611,7 +647,9 @@ def main() -> None:
     if "plain" not in chosen:
         chosen.insert(0, "plain")
     runs = [Run(name, configs[name]) for name in chosen]
-    for run in tqdm(runs, desc="engines", file=CONSOLE):
+    # Several starts go round the engines in turn, so a slow spell of the
+    # machine does not land on one method.
+    for run in tqdm(runs * args.engine_starts, desc="engines", file=CONSOLE):
         run_engine(run, model_dir, prompts, args)
     if args.del_step_overhead is not None:
         runs.append(del_with_step_overhead(model_dir, prompts, args))
@@ -627,7 +665,8 @@ def main() -> None:
     payload = {"command": command.strip(), "model": args.model, "dtype": args.dtype,
                "cpu_flags": cpu_flags(), "batch_size": args.batch_size,
                "eager": args.eager, "prompts": len(prompts), "max_tokens": args.max_tokens,
-               "repeats": args.repeats, "rows": rows, "threshold_sweep": sweep,
+               "repeats": args.repeats, "engine_starts": args.engine_starts, "rows": rows,
+               "threshold_sweep": sweep,
                "static_exit_grid": grid, "del_trace": trace,
                "configs": {r.name: r.speculative_config for r in runs},
                "step_costs": {r.name: r.step_costs for r in runs if r.step_costs},
@@ -652,7 +691,8 @@ def main() -> None:
 def print_table(rows: list[dict], args, num_prompts: int) -> None:
     print(f"\n{args.model} {args.dtype}: decode tokens/s at batch "
           f"{args.batch_size} ({num_prompts} prompts, {args.max_tokens} new tokens, "
-          f"{args.repeats} repeats); CPU flags: {' '.join(cpu_flags())}", file=CONSOLE)
+          f"{args.repeats} repeats x {args.engine_starts} engine starts); CPU flags: "
+          f"{' '.join(cpu_flags())}", file=CONSOLE)
     header = ("method", "tok/s", "speed-up", "spread", "accept", "acc len", "identical",
               "c", "F", "S*", "meas/S*", "rounds self/lookup/none %")
     line = "{:<26}{:>7}{:>9}{:>12}{:>8}{:>9}{:>10}{:>6}{:>6}{:>6}{:>8}  {}"

@@ -47,6 +47,20 @@ def test_the_draft_reads_an_int8_copy_and_a_reduced_head(cheap, model_dir):
     assert 0.05 * report["model_bytes"] < report["extra_bytes"] < 0.3 * report["model_bytes"]
 
 
+def test_the_draft_forward_multiplies_in_int8(cheap):
+    """The operators a draft forward spends its time in: vLLM's int8
+    activation quantisation runs there (once per linear), never in a plain one."""
+    (profile,) = cheap.collective_rpc("selfspec_profile_forwards")
+
+    def int8_quantisations(forward: str) -> float:
+        return sum(op["calls_per_step"] for op in profile[forward]["operators"]
+                   if "int8_quant" in op["name"])
+
+    assert int8_quantisations("plain") == 0
+    assert int8_quantisations("draft") >= 1
+    assert profile["draft"]["ms_per_step"] > 0
+
+
 @pytest.mark.parametrize("batch_size", [1, 8])
 def test_greedy_output_identical_to_plain_vllm(cheap, plain_outputs, test_prompts,
                                                batch_size):

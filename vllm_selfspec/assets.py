@@ -43,6 +43,15 @@ def open_member(wheel: Path, suffix: str):
     return archive.open(names[0])
 
 
+def cpu_flags() -> list[str]:
+    """The CPU features that decide bf16 and int8 speed (AVX2, AVX-512, VNNI, AMX)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8",
+              "amx_tile")
+    return [flag for flag in wanted if flag in flags]
+
+
 def fast_dtype() -> str:
     """bfloat16 where the hardware computes it natively (a GPU, or a CPU with
     AVX-512 BF16 or AMX), else float32: on an AVX2-only CPU, bf16 is emulated
@@ -51,6 +60,5 @@ def fast_dtype() -> str:
 
     if torch.cuda.is_available():
         return "bfloat16"
-    cpuinfo = Path("/proc/cpuinfo")
-    flags = cpuinfo.read_text() if cpuinfo.exists() else ""
+    flags = cpu_flags()
     return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"

@@ -10,7 +10,8 @@ worker methods, called with `LLM.collective_rpc("selfspec_...")`.
 check, over `vllm serve`'s dev-mode /collective_rpc).
 
 `selfspec_exit_costs` times early-exit draft steps at each exit layer.
-`selfspec_step_costs` times one draft step against one plain decode step. Both
+`selfspec_step_costs` times one draft step against one plain decode step
+(`selfspec_profile_forwards` breaks both down by operator). Both
 models get the same one-token-per-request batch under a forward context without
 attention metadata (vLLM's profiling mode), so both run every projection, MLP,
 norm and the LM head, and both skip only the attention kernel itself, which at
@@ -53,7 +54,8 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def _time_forward(model, vllm_config, batch_size: int, repeats: int) -> float:
+def _forward_step(model, batch_size: int) -> Callable[[], None]:
+    """One decode forward of `model` and its LM head for `batch_size` tokens."""
     device = next(model.parameters()).device
     input_ids = torch.zeros(batch_size, dtype=torch.int32, device=device)
     positions = torch.zeros(batch_size, dtype=torch.int64, device=device)
@@ -64,7 +66,37 @@ def _time_forward(model, vllm_config, batch_size: int, repeats: int) -> float:
             hidden = hidden[0]
         model.compute_logits(hidden)
 
-    return _median_seconds(step, vllm_config, batch_size, repeats)
+    return step
+
+
+def _time_forward(model, vllm_config, batch_size: int, repeats: int) -> float:
+    return _median_seconds(_forward_step(model, batch_size), vllm_config, batch_size, repeats)
+
+
+def profile_forwards(worker, batch_size: int = 1, steps: int = 5, top: int = 20) -> dict:
+    """Where a plain and a draft forward spend their time: each forward's
+    operators by self time (torch profiler, profiling mode as above), in
+    milliseconds per step, with each one's share of the step."""
+    from torch.profiler import ProfilerActivity, profile
+    from vllm.forward_context import set_forward_context
+
+    runner = worker.model_runner
+    report = {}
+    for name, model in (("plain", runner.model), ("draft", runner.drafter.model)):
+        step = _forward_step(model, batch_size)
+        _median_seconds(step, runner.vllm_config, batch_size, repeats=3)  # warm-up
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            for _ in range(steps):
+                with set_forward_context(None, runner.vllm_config, num_tokens=batch_size):
+                    step()
+        events = [e for e in profiler.key_averages() if e.self_cpu_time_total > 0]
+        total = sum(e.self_cpu_time_total for e in events)
+        events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+        report[name] = {"ms_per_step": total / steps / 1e3, "operators": [
+            {"name": e.key, "ms_per_step": e.self_cpu_time_total / steps / 1e3,
+             "share": e.self_cpu_time_total / total, "calls_per_step": e.count / steps}
+            for e in events[:top]]}
+    return report
 
 
 def measure_exit_costs(runner, batch_size: int = 1, repeats: int = 30) -> dict:
@@ -109,6 +141,9 @@ class SelfSpecWorkerExtension:
 
     def selfspec_step_costs(self, batch_size: int = 1, repeats: int = 30) -> dict:
         return measure_step_costs(self, batch_size, repeats)
+
+    def selfspec_profile_forwards(self, batch_size: int = 1) -> dict:
+        return profile_forwards(self, batch_size)
 
     def selfspec_exit_costs(self, batch_size: int = 1, repeats: int = 30) -> dict:
         return measure_exit_costs(self.model_runner, batch_size, repeats)

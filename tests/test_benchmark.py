@@ -1,0 +1,37 @@
+"""The benchmark's arithmetic, without an engine: speed-ups and their spread
+over repeats of one engine start and over several starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmark import Run, summarize
+
+
+def run_with(name: str, starts: list[list[float]]) -> Run:
+    """A run whose engine starts decoded at these tokens/s, one per repeat."""
+    run = Run(name, None if name == "plain" else {"method": "ngram"})
+    for repeats in starts:
+        run.tokens_per_s.extend(repeats)
+        run.start_tokens_per_s.append(sum(repeats) / len(repeats))
+    run.decode_tokens = run.generated = 10  # one token per target forward
+    return run
+
+
+def test_one_start_spreads_over_its_repeats():
+    plain, ours = run_with("plain", [[100, 100]]), run_with("ngram", [[90, 110]])
+    _, row = summarize([plain, ours], num_layers=30, batch_size=1)
+    assert row["speedup"] == 1.0
+    assert row["speedup_spread"] == [0.9, 1.1]
+
+
+def test_several_starts_compare_each_with_plains_same_start():
+    """A slow spell that hits plain and the method in one round of starts
+    moves neither ratio: the spread is per start, against plain's start."""
+    plain = run_with("plain", [[100, 100], [80, 80]])
+    ours = run_with("ngram", [[90, 90], [80, 80]])
+    plain_row, row = summarize([plain, ours], num_layers=30, batch_size=1)
+    assert row["speedup"] == pytest.approx(85 / 90, abs=1e-3)
+    assert row["speedup_spread"] == [0.9, 1.0]
+    assert row["tokens_per_s_starts"] == [90, 80]
+    assert plain_row["speedup_spread"] == [round(80 / 90, 3), round(100 / 90, 3)]
