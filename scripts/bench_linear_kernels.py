@@ -100,14 +100,15 @@ def main() -> None:
 
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
-
+    from vllm.utils.network_utils import get_open_port
 
     torch.set_num_threads(1)  # as vLLM's CPU worker computes
     config = json.loads((ROOT / "models" / args.model / "config.json").read_text())
     shapes = linear_shapes(config)
     layers = config["num_hidden_layers"]
     with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(1, 0, "tcp://127.0.0.1:29517", 0, backend="gloo")
+        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{get_open_port()}", 0,
+                                     backend="gloo")
         initialize_model_parallel(1, 1)
         results = {}
         for kind in args.kinds.split(","):

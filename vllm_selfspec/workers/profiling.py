@@ -31,17 +31,27 @@ import torch
 from vllm_selfspec.workers.draft_payoff import StepCosts
 
 
+def _in_profiling_mode(step: Callable[[], Any], vllm_config,
+                       batch_size: int) -> Callable[[], None]:
+    """`step` under a forward context without attention metadata."""
+    from vllm.forward_context import set_forward_context
+
+    def run() -> None:
+        with set_forward_context(None, vllm_config, num_tokens=batch_size):
+            step()
+
+    return run
+
+
 def _median_seconds(step: Callable[[], Any], vllm_config, batch_size: int,
                     repeats: int) -> float:
     """Median time of `step` (after two warm-up calls) in profiling mode."""
-    from vllm.forward_context import set_forward_context
-
+    run = _in_profiling_mode(step, vllm_config, batch_size)
     timings = []
     for _ in range(repeats + 2):
         _synchronize()
         start = time.perf_counter()
-        with set_forward_context(None, vllm_config, num_tokens=batch_size):
-            step()
+        run()
         _synchronize()
         timings.append(time.perf_counter() - start)
     timings = sorted(timings[2:])
@@ -78,17 +88,17 @@ def profile_forwards(worker, batch_size: int = 1, steps: int = 5, top: int = 20)
     operators by self time (torch profiler, profiling mode as above), in
     milliseconds per step, with each one's share of the step."""
     from torch.profiler import ProfilerActivity, profile
-    from vllm.forward_context import set_forward_context
 
     runner = worker.model_runner
     report = {}
     for name, model in (("plain", runner.model), ("draft", runner.drafter.model)):
-        step = _forward_step(model, batch_size)
-        _median_seconds(step, runner.vllm_config, batch_size, repeats=3)  # warm-up
+        run = _in_profiling_mode(_forward_step(model, batch_size), runner.vllm_config,
+                                 batch_size)
+        for _ in range(3):  # warm-up
+            run()
         with profile(activities=[ProfilerActivity.CPU]) as profiler:
             for _ in range(steps):
-                with set_forward_context(None, runner.vllm_config, num_tokens=batch_size):
-                    step()
+                run()
         events = [e for e in profiler.key_averages() if e.self_cpu_time_total > 0]
         total = sum(e.self_cpu_time_total for e in events)
         events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
