@@ -35,3 +35,25 @@ def test_several_starts_compare_each_with_plains_same_start():
     assert row["speedup_spread"] == [0.9, 1.0]
     assert row["tokens_per_s_starts"] == [90, 80]
     assert plain_row["speedup_spread"] == [round(80 / 90, 3), round(100 / 90, 3)]
+
+
+def test_step_pieces_count_decode_steps_only():
+    """profile_step.py's timer: a step that schedules a new prompt is left
+    out of every piece, so the pieces span what decode timestamps span."""
+    from types import SimpleNamespace
+
+    from vllm_selfspec.workers.profiling import RUNNER_PIECES, time_step_pieces
+
+    runner = SimpleNamespace(**{name: lambda *args: None for name in RUNNER_PIECES},
+                             drafter=SimpleNamespace(propose=lambda: None))
+    time_step_pieces(runner, start=True)
+    for new_prompts in ([], ["r1"], []):
+        runner.execute_model(SimpleNamespace(scheduled_new_reqs=new_prompts))
+        runner.sample_tokens(None)
+        runner.drafter.propose()
+    pieces = time_step_pieces(runner, start=False)
+    assert set(pieces) == {"execute_model", "sample_tokens", "drafter.propose"}
+    assert all(calls == 2 for calls, _ in pieces.values())
+    time_step_pieces(runner, start=True)  # clears; the timers stay installed once
+    runner.sample_tokens(None)
+    assert time_step_pieces(runner, start=False) == {"sample_tokens": [1, pytest.approx(0, abs=0.1)]}

@@ -133,3 +133,78 @@ def test_cpu_expand_kernel_keeps_float_values():
     expanded = expand_batch_to_tokens(temperatures, cu_num_tokens, 6,
                                       replace_from=-1, replace_to=1)
     assert expanded.tolist() == pytest.approx([0.8, 0.8, 1.0, 1.0, 1.0, 0.5])
+
+
+def test_a_steps_drafts_reach_the_scheduler_without_a_second_message():
+    """The drafts ride on the output through vLLM's worker-to-engine pickling,
+    and post_step schedules them without asking the worker again; an output
+    that carried none (a step the worker answered from execute_model) still
+    asks, as vLLM does."""
+    import pickle
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_selfspec.config import SelfSpecConfig
+    from vllm_selfspec.token_sources import SourcedDraftTokenIds
+    from vllm_selfspec.workers import hooks
+
+    patches.apply_patches()
+    drafts = SourcedDraftTokenIds(["r"], [[5, 6]], [True])
+    runner = SimpleNamespace(speculative_config=object.__new__(SelfSpecConfig),
+                             use_async_scheduling=False, execute_model_state=None,
+                             kv_connector_output=None, take_draft_token_ids=lambda: drafts)
+    # A step without a forward returns vLLM's shared empty output: left alone.
+    assert GPUModelRunner.sample_tokens(runner, None) is EMPTY_MODEL_RUNNER_OUTPUT
+    assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, hooks.SHIPPED_DRAFTS)
+    output = hooks.ship_drafts(runner, ModelRunnerOutput(
+        req_ids=["r"], req_id_to_index={"r": 0}, sampled_token_ids=[[4]]))
+    received = pickle.loads(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL))
+    assert getattr(received, hooks.SHIPPED_DRAFTS) == drafts
+
+    scheduled, asked = [], []
+
+    def ask_worker():
+        asked.append(True)
+        return SourcedDraftTokenIds(["r"], [[7]], [False])
+
+    core = SimpleNamespace(
+        scheduler=SimpleNamespace(update_draft_token_ids=scheduled.append),
+        model_executor=SimpleNamespace(take_draft_token_ids=ask_worker),
+        check_for_draft_tokens=True, async_scheduling=False)
+    core.scheduler.selfspec_shipped_drafts = getattr(received, hooks.SHIPPED_DRAFTS)
+    EngineCore.post_step(core, model_executed=True)
+    assert scheduled == [drafts] and not asked
+    assert not hasattr(core.scheduler, "selfspec_shipped_drafts")  # used once
+    EngineCore.post_step(core, model_executed=True)  # nothing shipped this step
+    assert asked and scheduled[-1].draft_token_ids == [[7]]
+
+
+def test_a_batch_without_drafts_samples_like_plain_vllm():
+    """vLLM builds spec-decode metadata every step once speculation is on;
+    with no draft in the batch our runner samples with the plain sampler,
+    with drafts with the rejection sampler."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_selfspec.config import SelfSpecConfig
+
+    patches.apply_patches()
+    used = []
+    runner = SimpleNamespace(
+        speculative_config=object.__new__(SelfSpecConfig),
+        input_batch=SimpleNamespace(sampling_metadata="metadata",
+                                    update_async_output_token_ids=lambda: None),
+        sampler=lambda logits, sampling_metadata: used.append("plain"),
+        rejection_sampler=lambda *args: used.append("rejection"),
+        use_async_scheduling=False,
+        _get_spec_decode_draft_probs=lambda metadata: None)
+    GPUModelRunner._sample(runner, "logits", SimpleNamespace(max_spec_len=0))
+    GPUModelRunner._sample(runner, "logits", SimpleNamespace(max_spec_len=2))
+    assert used == ["plain", "rejection"]
+    runner.speculative_config = None  # vLLM's own methods keep vLLM's path
+    GPUModelRunner._sample(runner, "logits", SimpleNamespace(max_spec_len=0))
+    assert used[-1] == "rejection"

@@ -93,7 +93,7 @@ def test_draft_budget_declines_when_drafting_loses_and_probes_again():
 
 
 def test_dear_probes_are_spread_out():
-    """A probe that finds nothing costs F + w plain steps: at most 2 % of
+    """A probe that finds nothing costs F + w plain steps: at most a share of
     decoding goes to them, and never more often than probe_every."""
     from vllm_selfspec.workers.draft_payoff import StepCosts, probe_interval
 

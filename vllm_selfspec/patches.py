@@ -1,8 +1,9 @@
 """Every vLLM symbol the plugin replaces, with the original kept.
 
-Eleven attributes, each small and named here, are the whole contact surface
-(seven run the methods, four count where tokens came from, with two fields
-added to vLLM dataclasses: `token_sources.py`); three more run vLLM's Ray
+Fifteen attributes, each small and named here, are the whole contact surface
+(seven run the methods, four keep a round that drafts nothing as cheap as a
+plain step, four count where tokens came from, with two fields added to vLLM
+dataclasses: `token_sources.py`); three more run vLLM's Ray
 executor on the CPU platform, only when
 `SELFSPEC_RAY_CPU=1` asks for it (`ray_cpu.py`). The test
 `tests/test_patches.py` checks that each target still exists in the installed
@@ -59,6 +60,31 @@ PATCHES = (
         "drop the unused tail of drafts that stopped early (marked -1), so the "
         "scheduler verifies only real drafts, and say which requests' drafts a "
         "lookup made (token_sources.py); the CPU runner inherits it",
+    ),
+    # A declined round costs what a plain step costs (docs/design.md, "Declined rounds").
+    Patch(
+        "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens",
+        "vllm_selfspec.workers.hooks:sample_tokens_with_drafts",
+        "send the step's drafts with the sampled tokens, saving the engine core's "
+        "separate take_draft_token_ids message to the worker every step",
+    ),
+    Patch(
+        "vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output",
+        "vllm_selfspec.workers.hooks:keep_shipped_drafts",
+        "the one place the engine core hands the scheduler the worker's output: "
+        "keep the drafts that came with it",
+    ),
+    Patch(
+        "vllm.v1.engine.core", "EngineCore", "post_step",
+        "vllm_selfspec.workers.hooks:post_step_with_shipped_drafts",
+        "schedule the shipped drafts instead of asking the worker for them",
+    ),
+    Patch(
+        "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_sample",
+        "vllm_selfspec.workers.hooks:sample_without_drafts",
+        "a batch without drafts samples through vLLM's plain sampler, not the "
+        "rejection sampler (vLLM builds spec-decode metadata every step once "
+        "speculation is configured)",
     ),
     Patch(
         "vllm.config.vllm", "VllmConfig", "_get_v2_model_runner_unsupported_features",

@@ -67,7 +67,7 @@ from vllm_selfspec.workers.draft_weights import DraftWeights
 PRIOR_ACCEPTANCE = 0.6
 PAYOFF_DECAY = 0.8
 MIN_GAIN = 0.05
-PROBE_SHARE = 0.02  # of decoding time, at most, spent on probes that find nothing
+PROBE_SHARE = 0.01  # of decoding time, at most, spent on probes that find nothing
 # Measured costs are shared from tensor-parallel rank 0 every SHARE_EVERY
 # rounds. An engine first decodes PLAIN_ROUNDS_FIRST steady rounds plainly to
 # time a plain step, and does so again (one round in SHARE_EVERY) whenever fewer
@@ -319,16 +319,16 @@ class SelfSpecProposer(DraftModelProposer):
             del self.payoffs[req_id]
         self.forget_finished(live)
         batch_size = common_attn_metadata.batch_size()
-        if token_indices_to_sample is None:
-            token_indices_to_sample = common_attn_metadata.query_start_loc[1:] - 1
         self.counters.rounds += 1
         drafts = torch.full(
             (batch_size, num_speculative_tokens), NO_DRAFT, dtype=torch.int64,
             device=self.device,
         )
-        # A request whose prompt is still prefilling in chunks has no token to
-        # continue from yet (vLLM discards its sample): it drafts nothing.
-        drafting = ~self.runner.discard_request_mask.gpu[:batch_size]
+        # The decision runs on host lists, so a round that drafts nothing
+        # costs a few microseconds of Python, not device work. A request whose
+        # prompt is still prefilling in chunks has no token to continue from
+        # yet (vLLM discards its sample): it drafts nothing.
+        may_draft = (~self.runner.discard_request_mask.np[:batch_size]).tolist()
         self.looked_up = set()
         costs = None
         if self.options.cost_aware:
@@ -338,24 +338,28 @@ class SelfSpecProposer(DraftModelProposer):
         if self.options.lookup is not None:
             rows = self.draft_by_lookup(req_ids, target_token_ids, next_token_ids,
                                         common_attn_metadata, accepted_now, drafts)
-            if rows:
-                self.looked_up = {req_ids[row] for row in rows}
-                drafting[rows] = False
+            self.looked_up = {req_ids[row] for row in rows}
+            for row in rows:
+                may_draft[row] = False
         steps = num_speculative_tokens
+        budgets = None
         if costs is not None:
             probe = self.counters.rounds % probe_interval(
                 costs, self.options.probe_every, PROBE_SHARE) == 0
             budgets, acceptances = self.round_budgets(req_ids, costs, num_speculative_tokens,
                                                       probe)
-            budgets = [b if row_drafts else 0
-                       for b, row_drafts in zip(budgets, drafting.tolist())]
-            budget = torch.tensor(budgets, device=self.device)
-            drafting &= budget > 0
+            budgets = [b if row_drafts else 0 for b, row_drafts in zip(budgets, may_draft)]
+            may_draft = [b > 0 for b in budgets]
             steps = batch_steps(acceptances, budgets, costs, batch_size, MIN_GAIN)
             if probe and any(budgets):
                 steps = max(steps, 1)  # idle requests probe even where the batch would not
-        if steps == 0 or not bool(drafting.any()):
+        if steps == 0 or not any(may_draft):
             return drafts, 0
+        drafting = torch.tensor(may_draft, device=self.device)
+        if budgets is not None:
+            budget = torch.tensor(budgets, device=self.device)
+        if token_indices_to_sample is None:
+            token_indices_to_sample = common_attn_metadata.query_start_loc[1:] - 1
         # Only a round that self-drafts pays for the method's look at the
         # forward (DEL's shadow tokens, SWIFT's search): a declined round
         # costs what a plain step costs.
@@ -369,7 +373,7 @@ class SelfSpecProposer(DraftModelProposer):
         round_tokens = next_token_ids.view(batch_size, 1)
         steps_run = 0
         for step in range(steps):
-            if costs is not None:
+            if budgets is not None:
                 drafting &= budget > step
             steps_run += 1
             positions = self._advance(positions, cad, batch_size)
@@ -391,8 +395,13 @@ class SelfSpecProposer(DraftModelProposer):
                               valid_sampled_tokens_count):
         """vLLM's, noting how many drafts it scheduled per request: only those
         were verified (budget and structured-output trims, chunked prefill drop
-        the rest), so only those become acceptance feedback."""
+        the rest), so only those become acceptance feedback. A batch without
+        drafts skips vLLM's kernel: its answer would change nothing."""
         self._verified_drafts = list(spec_decode_metadata.num_draft_tokens)
+        if spec_decode_metadata.max_spec_len == 0:
+            # Nothing was verified: the forward's metadata stands as it is, as
+            # after a prefill (vLLM builds spec-decode metadata every step).
+            return common_attn_metadata, None, None
         return super().prepare_inputs_padded(common_attn_metadata, spec_decode_metadata,
                                              valid_sampled_tokens_count)
 
@@ -460,9 +469,9 @@ class SelfSpecProposer(DraftModelProposer):
             self.shared_costs = tp.broadcast_object(costs, src=0)
         if not self.shared_costs:
             return self.prior_costs if rounds >= NOT_STEADY_ROUNDS else None
-        stale = self.clock.fresh_plain_rounds(rounds) < PLAIN_ROUNDS_FIRST
-        if stale and rounds % SHARE_EVERY == 1:
-            return None
+        if (rounds % SHARE_EVERY == 1
+                and self.clock.fresh_plain_rounds(rounds) < PLAIN_ROUNDS_FIRST):
+            return None  # the newest plain times are stale
         return costs_for(self.shared_costs, batch_size)
 
     def _time_previous_round(self, req_ids: list[str], verified: list[int] | None,

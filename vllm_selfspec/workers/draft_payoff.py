@@ -74,8 +74,11 @@ class DraftPayoff:
 
 
 def expected_tokens(acceptance: float, drafts: int) -> float:
-    """E(k): tokens a round of k chained drafts yields, the bonus included."""
-    return sum(acceptance ** i for i in range(drafts + 1))
+    """E(k): tokens a round of k chained drafts yields, the bonus included:
+    1 + a + ... + a^k, in closed form (it runs K times per request-round)."""
+    if acceptance >= 1.0:
+        return drafts + 1.0
+    return (1.0 - acceptance ** (drafts + 1)) / (1.0 - acceptance)
 
 
 def best_budget(acceptance: float, costs: StepCosts, max_drafts: int,

@@ -18,6 +18,9 @@ norm and the LM head, and both skip only the attention kernel itself, which at
 the short contexts of a decode step is a small share of the time.
 `selfspec_round_costs` returns what the engine itself timed: whole rounds,
 plain and drafted, everything a user waits for included.
+`selfspec_time_step_pieces` times the runner's parts of each step while
+serving (the forward, sampling, drafting, bookkeeping), for
+`scripts/profile_step.py`.
 """
 
 from __future__ import annotations
@@ -210,6 +213,11 @@ class SelfSpecWorkerExtension:
                 "prior": None if drafter.prior_costs is None else vars(drafter.prior_costs),
                 "shared": {b: vars(c) for b, c in drafter.shared_costs.items()}}
 
+    def selfspec_time_step_pieces(self, start: bool = False) -> dict | None:
+        """Calls and seconds of each timed piece of the runner's steps since
+        `start` (which clears the record and starts timing)."""
+        return time_step_pieces(self.model_runner, start)
+
     def selfspec_counters(self) -> dict:
         """Rounds (target forwards), draft steps and draft layers run so far."""
         return vars(self.model_runner.drafter.counters).copy()
@@ -222,6 +230,55 @@ def _ray_actor_id() -> str | None:
     except ImportError:
         return None
     return ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
+
+
+# The runner's step, in the order it runs: the forward (inputs included),
+# then sampling, the drafter and output bookkeeping.
+RUNNER_PIECES = ("execute_model", "_prepare_inputs", "sample_tokens", "_sample",
+                 "propose_draft_token_ids", "_bookkeeping_sync")
+
+
+def time_step_pieces(runner, start: bool) -> dict | None:
+    """Time the runner's step pieces from now on (`start`, which also clears
+    the record), or return {piece: [calls, seconds]} so far."""
+    timer = getattr(runner, "selfspec_step_timer", None)
+    if timer is None:
+        timer = runner.selfspec_step_timer = StepPieceTimer(runner)
+    if start:
+        timer.record.clear()
+        return None
+    return {label: list(value) for label, value in timer.record.items()}
+
+
+class StepPieceTimer:
+    """Wraps the runner's step pieces (and the drafter's `propose`) in timers,
+    on this runner instance only, counting decode steps only: a step that
+    schedules a new request's prompt is left out."""
+
+    def __init__(self, runner):
+        self.record: dict[str, list] = {}
+        self.decoding = False
+        owners = [(runner, name) for name in RUNNER_PIECES]
+        if getattr(runner, "drafter", None) is not None:
+            owners.append((runner.drafter, "propose"))
+        for owner, name in owners:
+            label = name if owner is runner else f"drafter.{name}"
+            setattr(owner, name, self._timed(getattr(owner, name), label))
+
+    def _timed(self, method: Callable, label: str) -> Callable:
+        def timed(*args, **kwargs):
+            if label == "execute_model":  # a step starts: args[0] is its schedule
+                self.decoding = not args[0].scheduled_new_reqs
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if self.decoding:
+                    entry = self.record.setdefault(label, [0, 0.0])
+                    entry[0] += 1
+                    entry[1] += time.perf_counter() - started
+
+        return timed
 
 
 def draft_and_verify_costs(runner, drafter, max_drafts: int, repeats: int = 10

@@ -1,0 +1,103 @@
+"""Where a decode step's time goes: plain vLLM against speculative configs.
+
+Each engine decodes the benchmark's prompts one at a time while its worker
+times the runner's pieces of every step (`selfspec_time_step_pieces`): the
+forward with its input preparation, sampling, the drafter and bookkeeping.
+A step's wall time comes from the requests' own token timestamps, so what is
+left (the engine core's scheduling and output handling, and the messages
+between the engine core and the worker) is the step minus the runner's
+pieces. Declined rounds show up as the difference to plain that the drafter
+and its glue cost while drafting nothing.
+
+    python scripts/profile_step.py --methods plain,draft_verify,swift,ngram
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from types import SimpleNamespace
+
+from benchmark import (CONSOLE, RESULTS, ROOT, decode_time, method_configs, shutdown,
+                       start)
+from tqdm import tqdm
+
+from vllm_selfspec import prompts as prompt_sets
+from vllm_selfspec.assets import cpu_flags, fast_dtype
+from vllm_selfspec.workers.profiling import RUNNER_PIECES
+
+
+def profile(model_dir, spec: dict | None, prompts: list[str], engine_args,
+            max_tokens: int) -> dict:
+    """Per-step milliseconds of each piece, and the step's own."""
+    from vllm import SamplingParams
+
+    llm = start(model_dir, spec, engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
+    llm.collective_rpc("selfspec_time_step_pieces", args=(True,))
+    tokens, seconds = 0, 0.0
+    for prompt in prompts:
+        decoded, decode_seconds = decode_time(
+            llm.generate([prompt], params, use_tqdm=False)[0])
+        tokens, seconds = tokens + decoded, seconds + decode_seconds
+    pieces = llm.collective_rpc("selfspec_time_step_pieces")[0]
+    shutdown(llm)
+    steps = pieces["execute_model"][0]  # decode steps: what `seconds` spans
+    per_step = {label: 1000 * total / steps for label, (_, total) in pieces.items()}
+    step_ms = 1000 * seconds / steps
+    per_step["engine_core_and_messages"] = (
+        step_ms - per_step["execute_model"] - per_step["sample_tokens"])
+    return {"tokens_per_s": tokens / seconds, "tokens_per_step": tokens / steps,
+            "step_ms": step_ms, "steps": steps,
+            "pieces_ms": {k: round(v, 3) for k, v in per_step.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--methods", default="plain,draft_verify",
+                        help="benchmark.py's method names, comma-separated")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default=fast_dtype())
+    parser.add_argument("--name", help="results file stem")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from transformers import AutoTokenizer
+
+    model_dir = ROOT / "models" / args.model
+    engine_args = SimpleNamespace(dtype=args.dtype, eager=False, model=args.model,
+                                  del_exits=None)
+    configs = method_configs(model_dir, engine_args)
+    half = args.num_prompts // 2
+    prompts = prompt_sets.as_chat(
+        AutoTokenizer.from_pretrained(model_dir),
+        prompt_sets.humaneval(half) + prompt_sets.mtbench(args.num_prompts - half))
+    results = {name: profile(model_dir, configs[name], prompts, engine_args, args.max_tokens)
+               for name in tqdm(args.methods.split(","), desc="engines", file=CONSOLE)}
+    labels = ["step_ms", *RUNNER_PIECES, "drafter.propose", "engine_core_and_messages"]
+    print(f"{args.model} {args.dtype}, batch 1, ms per step (CPU flags: {cpu_flags()})")
+    print(f"{'piece':26}" + "".join(f"{name:>14}" for name in results))
+    for label in labels:
+        values = [r["step_ms"] if label == "step_ms" else r["pieces_ms"].get(label)
+                  for r in results.values()]
+        print(f"{label:26}" + "".join(
+            f"{'-' if v is None else f'{v:.3f}':>14}" for v in values))
+    print(f"{'tokens/s':26}" + "".join(f"{r['tokens_per_s']:>14.1f}" for r in results.values()))
+    plain = results.get("plain")
+    if plain:
+        print(f"{'x plain':26}" + "".join(
+            f"{r['tokens_per_s'] / plain['tokens_per_s']:>14.3f}" for r in results.values()))
+    name = args.name or f"step-pieces-{args.model}-{args.dtype}"
+    command = "python scripts/profile_step.py " + " ".join(os.sys.argv[1:])
+    (RESULTS / f"{name}.json").write_text(json.dumps(
+        {"command": command.strip(), "cpu_flags": cpu_flags(), "model": args.model,
+         "dtype": args.dtype, "prompts": len(prompts), "max_tokens": args.max_tokens,
+         "configs": {n: configs[n] for n in results}, "results": results}, indent=2))
+    print(f"saved {RESULTS / name}.json", file=CONSOLE)
+
+
+if __name__ == "__main__":
+    main()
