@@ -255,6 +255,15 @@ def measure(llm, run: Run, prompts: list[str], args) -> None:
     run.start_tokens_per_s.append(statistics.mean(speeds))
 
 
+def benchmark_prompts(tokenizer, num_prompts: int, prompt_set: str = "mixed") -> list[str]:
+    """The benchmark's prompts in the model's chat template: half HumanEval,
+    half MT-bench ("mixed"), or the copy-heavy set ("copy")."""
+    half = num_prompts // 2
+    questions = (prompt_sets.copy_heavy(num_prompts) if prompt_set == "copy" else
+                 prompt_sets.humaneval(half) + prompt_sets.mtbench(num_prompts - half))
+    return prompt_sets.as_chat(tokenizer, questions)
+
+
 def generate_batches(llm, prompts: list[str], params, batch: int, desc: str):
     """Outputs of `prompts`, `batch` requests in flight together."""
     for start in tqdm(range(0, len(prompts), batch), desc=desc, leave=False, file=CONSOLE):
@@ -630,11 +639,8 @@ def main() -> None:
     args.exit_layers = args.del_grid_exits or (
         ExitHeads.open(str(CONFIGS_DIR / "heads" / heads)).exit_layers if heads else [])
 
-    half = args.num_prompts // 2
-    questions = (prompt_sets.copy_heavy(args.num_prompts) if args.prompt_set == "copy" else
-                 prompt_sets.humaneval(half) + prompt_sets.mtbench(args.num_prompts - half))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = prompt_sets.as_chat(tokenizer, questions)
+    prompts = benchmark_prompts(tokenizer, args.num_prompts, args.prompt_set)
 
     configs = method_configs(model_dir, args)
     extra = dict(item.split("=", 1) for item in args.config)

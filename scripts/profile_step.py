@@ -19,11 +19,10 @@ import json
 import os
 from types import SimpleNamespace
 
-from benchmark import (CONSOLE, RESULTS, ROOT, decode_time, method_configs, shutdown,
-                       start)
+from benchmark import (CONSOLE, RESULTS, ROOT, benchmark_prompts, decode_time,
+                       method_configs, shutdown, start)
 from tqdm import tqdm
 
-from vllm_selfspec import prompts as prompt_sets
 from vllm_selfspec.assets import cpu_flags, fast_dtype
 from vllm_selfspec.workers.profiling import RUNNER_PIECES
 
@@ -71,10 +70,7 @@ def main() -> None:
     engine_args = SimpleNamespace(dtype=args.dtype, eager=False, model=args.model,
                                   del_exits=None)
     configs = method_configs(model_dir, engine_args)
-    half = args.num_prompts // 2
-    prompts = prompt_sets.as_chat(
-        AutoTokenizer.from_pretrained(model_dir),
-        prompt_sets.humaneval(half) + prompt_sets.mtbench(args.num_prompts - half))
+    prompts = benchmark_prompts(AutoTokenizer.from_pretrained(model_dir), args.num_prompts)
     results = {name: profile(model_dir, configs[name], prompts, engine_args, args.max_tokens)
                for name in tqdm(args.methods.split(","), desc="engines", file=CONSOLE)}
     labels = ["step_ms", *RUNNER_PIECES, "drafter.propose", "engine_core_and_messages"]
