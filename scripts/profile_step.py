@@ -24,7 +24,7 @@ from benchmark import (CONSOLE, RESULTS, ROOT, benchmark_prompts, decode_time,
 from tqdm import tqdm
 
 from vllm_selfspec.assets import cpu_flags, fast_dtype
-from vllm_selfspec.workers.profiling import RUNNER_PIECES
+from vllm_selfspec.workers.profiling import DRAFTER_PIECES, RUNNER_PIECES
 
 
 def profile(model_dir, spec: dict | None, prompts: list[str], engine_args,
@@ -73,7 +73,8 @@ def main() -> None:
     prompts = benchmark_prompts(AutoTokenizer.from_pretrained(model_dir), args.num_prompts)
     results = {name: profile(model_dir, configs[name], prompts, engine_args, args.max_tokens)
                for name in tqdm(args.methods.split(","), desc="engines", file=CONSOLE)}
-    labels = ["step_ms", *RUNNER_PIECES, "drafter.propose", "engine_core_and_messages"]
+    labels = ["step_ms", *RUNNER_PIECES, *(f"drafter.{name}" for name in DRAFTER_PIECES),
+              "engine_core_and_messages"]
     print(f"{args.model} {args.dtype}, batch 1, ms per step (CPU flags: {cpu_flags()})")
     print(f"{'piece':26}" + "".join(f"{name:>14}" for name in results))
     for label in labels:

@@ -182,10 +182,12 @@ def test_a_steps_drafts_reach_the_scheduler_without_a_second_message():
     assert asked and scheduled[-1].draft_token_ids == [[7]]
 
 
-def test_a_batch_without_drafts_samples_like_plain_vllm():
-    """vLLM builds spec-decode metadata every step once speculation is on;
-    with no draft in the batch our runner samples with the plain sampler,
-    with drafts with the rejection sampler."""
+def test_a_batch_without_drafts_is_prepared_as_plain_vllm_prepares_it(monkeypatch):
+    """vLLM builds spec-decode metadata for every batch once speculation is
+    on; a batch of ours without drafts is prepared with the speculative config
+    out of sight (so no metadata, and the plain sampler), and the config is
+    back afterwards, also when preparing fails; batches with drafts, vLLM's
+    own methods and hybrid models keep vLLM's path."""
     from types import SimpleNamespace
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -193,18 +195,63 @@ def test_a_batch_without_drafts_samples_like_plain_vllm():
     from vllm_selfspec.config import SelfSpecConfig
 
     patches.apply_patches()
-    used = []
+    prepare = next(p for p in patches.ORIGINALS if p.attribute == "_prepare_inputs")
+    seen = []
+
+    def vllm_prepare(runner, scheduler_output, num_scheduled_tokens):
+        seen.append(runner.speculative_config)
+        if scheduler_output.scheduled_spec_decode_tokens == {"fails": []}:
+            raise RuntimeError("preparing failed")
+        return "prepared"
+
+    monkeypatch.setitem(patches.ORIGINALS, prepare, vllm_prepare)
+    ours = object.__new__(SelfSpecConfig)
+    runner = SimpleNamespace(speculative_config=ours,
+                             model_config=SimpleNamespace(is_hybrid=False))
+
+    def batch(drafts):
+        return SimpleNamespace(scheduled_spec_decode_tokens=drafts)
+
+    assert GPUModelRunner._prepare_inputs(runner, batch({}), None) == "prepared"
+    GPUModelRunner._prepare_inputs(runner, batch({"r": []}), None)
+    GPUModelRunner._prepare_inputs(runner, batch({"r": [], "s": [7]}), None)
+    with pytest.raises(RuntimeError):
+        GPUModelRunner._prepare_inputs(runner, batch({"fails": []}), None)
+    assert runner.speculative_config is ours
+    runner.model_config.is_hybrid = True
+    GPUModelRunner._prepare_inputs(runner, batch({}), None)
+    vllms = runner.speculative_config = object()
+    runner.model_config.is_hybrid = False
+    GPUModelRunner._prepare_inputs(runner, batch({}), None)
+    assert seen[:2] == [None, None] and seen[2] is ours and seen[3] is None
+    assert seen[4] is ours and seen[5] is vllms
+
+
+def test_a_declined_round_skips_vllms_drafting_glue(monkeypatch):
+    """When our proposer declines before vLLM's glue, no request gets a draft
+    and vLLM's proposing code does not run; otherwise it does, with the
+    step's own arguments."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_selfspec.config import SelfSpecConfig
+
+    patches.apply_patches()
+    propose = next(p for p in patches.ORIGINALS if p.attribute == "propose_draft_token_ids")
+    monkeypatch.setitem(patches.ORIGINALS, propose, lambda runner, *args: ("vllm's", args))
+    declines = []
     runner = SimpleNamespace(
-        speculative_config=object.__new__(SelfSpecConfig),
-        input_batch=SimpleNamespace(sampling_metadata="metadata",
-                                    update_async_output_token_ids=lambda: None),
-        sampler=lambda logits, sampling_metadata: used.append("plain"),
-        rejection_sampler=lambda *args: used.append("rejection"),
-        use_async_scheduling=False,
-        _get_spec_decode_draft_probs=lambda metadata: None)
-    GPUModelRunner._sample(runner, "logits", SimpleNamespace(max_spec_len=0))
-    GPUModelRunner._sample(runner, "logits", SimpleNamespace(max_spec_len=2))
-    assert used == ["plain", "rejection"]
-    runner.speculative_config = None  # vLLM's own methods keep vLLM's path
-    GPUModelRunner._sample(runner, "logits", SimpleNamespace(max_spec_len=0))
-    assert used[-1] == "rejection"
+        speculative_config=object.__new__(SelfSpecConfig), use_async_scheduling=False,
+        input_batch=SimpleNamespace(req_ids=["a", "b"]),
+        drafter=SimpleNamespace(decline_early=lambda k, tokens, metadata: declines[-1]))
+    step = SimpleNamespace(num_spec_tokens_to_schedule=4, total_num_scheduled_tokens=2)
+    arguments = (step, "sampled", "sampling", "hidden", "sample_hidden", None, None,
+                 "attn", None)
+    declines.append(True)
+    assert GPUModelRunner.propose_draft_token_ids(runner, *arguments) == [[], []]
+    declines.append(False)
+    assert GPUModelRunner.propose_draft_token_ids(runner, *arguments) == ("vllm's", arguments)
+    declines.append(True)
+    runner.use_async_scheduling = True  # the next step reads the glue's tensors
+    assert GPUModelRunner.propose_draft_token_ids(runner, *arguments)[0] == "vllm's"

@@ -161,3 +161,48 @@ def test_round_clock_fits_fixed_and_per_draft_costs_from_steady_rounds():
     assert aged.fresh_plain_rounds(50) == 3 and aged.fresh_plain_rounds(200) == 0
     aged.record_plain(1, 2 * plain_s, round_index=300)
     assert aged.plain_seconds(1) == 2 * plain_s and aged.fresh_plain_rounds(300) == 1
+
+
+def test_a_repeated_decline_is_what_deciding_would_say(monkeypatch):
+    """Rounds that repeat the last decline without deciding again
+    (`_repeat_decline`, the cheap path) decline exactly where the full decision
+    declines: probes and cost updates still come when they are due."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_selfspec.proposers.base import SelfSpecProposer
+    from vllm_selfspec.workers.draft_payoff import StepCosts
+
+    shared = []  # the rounds that shared costs from rank 0
+    tp = SimpleNamespace(rank_in_group=0,
+                         broadcast_object=lambda value, src: shared.append(value) or value)
+    monkeypatch.setattr("vllm.distributed.get_tp_group", lambda: tp)
+
+    def rounds(repeat: bool) -> tuple[list[bool], int]:
+        shared.clear()
+        proposer = SelfSpecProposer.__new__(SelfSpecProposer)
+        proposer.start_round_state()
+        proposer.options = SimpleNamespace(lookup=None, cost_aware=True, probe_every=8)
+        proposer.runner = SimpleNamespace(
+            input_batch=SimpleNamespace(req_ids=["a"]), requests={"a": None},
+            discard_request_mask=SimpleNamespace(np=np.zeros(4, dtype=bool)))
+        proposer.prior_costs = StepCosts(per_draft=0.2, round_overhead=0.5)
+        repeated = []
+        repeat_decline = proposer._repeat_decline
+        proposer._repeat_decline = lambda num_tokens: repeated.append(
+            repeat and repeat_decline(num_tokens)) or repeated[-1]
+        declined = []
+        for _ in range(400):
+            declined.append(proposer.decline_early(4, 1, None))
+            if not declined[-1]:  # a probe: `propose` drafts, nothing verified after
+                proposer._early = None
+                proposer._previous_round = proposer._previous_round.__class__(
+                    ["a"], 1, 0.0, 0.0)
+        return declined, sum(repeated), len(shared)
+
+    deciding, _, deciding_shared = rounds(repeat=False)
+    repeating, repeated, repeating_shared = rounds(repeat=True)
+    assert repeated > 300
+    assert repeating == deciding and repeating_shared == deciding_shared > 20
+    assert 2 <= deciding.count(False) <= 10  # the first timing rounds decline too

@@ -1,7 +1,7 @@
 """Every vLLM symbol the plugin replaces, with the original kept.
 
-Fifteen attributes, each small and named here, are the whole contact surface
-(seven run the methods, four keep a round that drafts nothing as cheap as a
+Sixteen attributes, each small and named here, are the whole contact surface
+(seven run the methods, five keep a round that drafts nothing as cheap as a
 plain step, four count where tokens came from, with two fields added to vLLM
 dataclasses: `token_sources.py`); three more run vLLM's Ray
 executor on the CPU platform, only when
@@ -80,11 +80,17 @@ PATCHES = (
         "schedule the shipped drafts instead of asking the worker for them",
     ),
     Patch(
-        "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_sample",
-        "vllm_selfspec.workers.hooks:sample_without_drafts",
-        "a batch without drafts samples through vLLM's plain sampler, not the "
-        "rejection sampler (vLLM builds spec-decode metadata every step once "
-        "speculation is configured)",
+        "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "propose_draft_token_ids",
+        "vllm_selfspec.workers.hooks:propose_or_decline",
+        "let our proposer decline a round on the host before vLLM's drafting glue "
+        "(next-token kernel, input slices) runs for nothing",
+    ),
+    Patch(
+        "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs",
+        "vllm_selfspec.workers.hooks:prepare_inputs_without_drafts",
+        "a batch without drafts gets plain vLLM's inputs (no spec-decode metadata, so "
+        "the plain sampler): vLLM builds the metadata every step once speculation "
+        "is configured",
     ),
     Patch(
         "vllm.config.vllm", "VllmConfig", "_get_v2_model_runner_unsupported_features",

@@ -109,6 +109,16 @@ class VerifiedTokens:
     attn_metadata: CommonAttentionMetadata
 
 
+@dataclass(frozen=True)
+class DraftDecision:
+    """A round that drafts: its draft steps, which requests draft, and each
+    request's budget (None when not cost-aware: every step)."""
+
+    steps: int
+    may_draft: list[bool]
+    budgets: list[int] | None
+
+
 @dataclass
 class DraftCounters:
     """Work done since the engine started, for the benchmark's tokens per
@@ -136,6 +146,10 @@ class SelfSpecProposer(DraftModelProposer):
         self.runner = runner
         self.options = self.speculative_config
         self.vocab_mapping = None
+        self.start_round_state()
+
+    def start_round_state(self) -> None:
+        """The rounds' state, empty: records, clock, costs, the last round."""
         # Drafts vLLM scheduled (so verified) per request in the forward that
         # just ran, in batch order; None when it verified none.
         self._verified_drafts: list[int] | None = None
@@ -147,6 +161,10 @@ class SelfSpecProposer(DraftModelProposer):
         self._previous_round: RoundTiming | None = None
         self.prior_costs: StepCosts | None = None  # profiling mode, at the first round
         self.shared_costs: dict[int, StepCosts] = {}  # per batch size, rank 0's
+        self._round_costs: tuple[int, StepCosts | None | bool] | None = None  # (round, costs)
+        self._early: tuple[float, DraftDecision] | None = None  # (started, decided to draft)
+        self._held_requests = 0  # requests vLLM held when state was last pruned
+        self._quiet_until = 0  # rounds before this one may repeat the last decline
 
     # --- what a method states -------------------------------------------------
     def layer_plan(self, num_layers: int) -> LayerPlan:
@@ -265,6 +283,48 @@ class SelfSpecProposer(DraftModelProposer):
                                    cudagraph_runtime_mode=CUDAGraphMode.NONE,
                                    slot_mapping=slot_mapping)
 
+    def decline_early(self, num_speculative_tokens: int, num_tokens: int,
+                      spec_decode_metadata) -> bool:
+        """Called by the runner before vLLM's drafting glue (next tokens,
+        input slices), on a forward that verified no drafts (no spec-decode
+        metadata: patches.py gives a batch without drafts none): decide this round
+        on the host alone and, when it drafts nothing, finish it here, so the
+        glue is not paid either. A round that drafts goes on to `propose`
+        with the decision made. Lookup needs the sampled tokens: not here."""
+        if self.options.lookup is not None or spec_decode_metadata is not None:
+            return False  # lookup, or drafts were verified: feedback first
+        if self._repeat_decline(num_tokens):
+            return True
+        started = time.perf_counter()
+        req_ids = list(self.runner.input_batch.req_ids)
+        self._verified_drafts = None
+        self._start_round(req_ids, None, num_tokens, started)
+        decision = self._decide(req_ids, num_speculative_tokens, self._may_draft(req_ids))
+        if decision is None:
+            self._previous_round = RoundTiming(req_ids, 0, started, time.perf_counter())
+            return True
+        self._early = (started, decision)
+        return False
+
+    def _repeat_decline(self, num_tokens: int) -> bool:
+        """Decline again without deciding, in a round `_decide` showed must
+        decline as the one before did: the same requests, each decoding one
+        token, nothing verified (so no request's record moved), and before the
+        next probe or cost update. Deciding touches a few hundred Python
+        objects, each a cache miss after the forward streamed the weights
+        (~0.1 ms on the CPU); this touches a few."""
+        previous = self._previous_round
+        rounds = self.counters.rounds + 1
+        if (rounds >= self._quiet_until or num_tokens != len(previous.req_ids)
+                or self.runner.input_batch.req_ids != previous.req_ids
+                or len(self.runner.requests) != self._held_requests):
+            return False
+        started = time.perf_counter()
+        self.clock.record_plain(num_tokens, started - previous.ended, rounds - 1)
+        self.counters.rounds = rounds
+        self._previous_round = RoundTiming(previous.req_ids, 0, started, time.perf_counter())
+        return True
+
     def propose(
         self,
         num_speculative_tokens: int,
@@ -279,82 +339,130 @@ class SelfSpecProposer(DraftModelProposer):
         num_rejected_tokens_gpu: torch.Tensor | None = None,
         slot_mappings=None,
     ) -> torch.Tensor:
-        started = time.perf_counter()
         req_ids = list(self.runner.input_batch.req_ids)
-        verified, self._verified_drafts = self._verified_drafts, None
-        self._time_previous_round(req_ids, verified, target_token_ids.shape[0], started)
-        drafts, steps = self._draft_round(
-            req_ids, verified, num_speculative_tokens, target_token_ids, target_positions,
-            target_hidden_states, next_token_ids, token_indices_to_sample,
-            common_attn_metadata, num_rejected_tokens_gpu)
+        batch_size = len(req_ids)
+        drafts = torch.full((batch_size, num_speculative_tokens), NO_DRAFT,
+                            dtype=torch.int64, device=self.device)
+        if self._early is not None:  # decided in `decline_early`: it drafts
+            (started, decision), self._early = self._early, None
+        else:
+            started = time.perf_counter()
+            verified, self._verified_drafts = self._verified_drafts, None
+            self._start_round(req_ids, verified, target_token_ids.shape[0], started)
+            accepted_now = self._take_feedback(req_ids, verified, num_rejected_tokens_gpu)
+            may_draft = self._may_draft(req_ids)
+            self.looked_up = set()
+            if (self.options.lookup is not None
+                    and self._timed_costs(req_ids, num_speculative_tokens) is not None):
+                rows = self.draft_by_lookup(req_ids, target_token_ids, next_token_ids,
+                                            common_attn_metadata, accepted_now, drafts)
+                self.looked_up = {req_ids[row] for row in rows}
+                for row in rows:
+                    may_draft[row] = False
+            decision = self._decide(req_ids, num_speculative_tokens, may_draft)
+        steps = 0
+        if decision is not None:
+            steps = self._draft_loop(
+                drafts, req_ids, decision, target_token_ids, target_positions,
+                target_hidden_states, next_token_ids, token_indices_to_sample,
+                common_attn_metadata, num_rejected_tokens_gpu)
         self._previous_round = RoundTiming(req_ids, steps, started, time.perf_counter())
         return drafts
 
-    def _draft_round(self, req_ids: list[str], verified: list[int] | None,
-                     num_speculative_tokens: int, target_token_ids: torch.Tensor,
-                     target_positions: torch.Tensor, target_hidden_states: torch.Tensor,
-                     next_token_ids: torch.Tensor,
-                     token_indices_to_sample: torch.Tensor | None,
-                     common_attn_metadata: CommonAttentionMetadata,
-                     num_rejected_tokens_gpu: torch.Tensor | None,
-                     ) -> tuple[torch.Tensor, int]:
-        """This round's drafts, and how many draft steps produced them."""
-        accepted_now: dict[str, int] = {}
-        round_record = [0, 0]  # the engine's: self-drafts accepted, rejections
-        if num_rejected_tokens_gpu is not None and verified is not None:
-            for req_id, accepted, scheduled in verified_feedback(
-                    req_ids, verified, num_rejected_tokens_gpu.tolist()):
-                accepted_now[req_id] = accepted
-                if req_id in self.looked_up:
-                    continue  # a lookup draft says nothing of the self-draft
-                payoff = self.payoffs.setdefault(req_id, DraftPayoff())
-                payoff.update(accepted, scheduled, PAYOFF_DECAY)
-                round_record[0] += accepted
-                round_record[1] += int(accepted < scheduled)
-                self.observe_round(req_id, accepted, scheduled)
-            if any(round_record):
-                self.engine_payoff.add_round(*round_record, PAYOFF_DECAY)
-        live = set(self.runner.requests)
-        for req_id in set(self.payoffs) - live:
-            del self.payoffs[req_id]
-        self.forget_finished(live)
-        batch_size = common_attn_metadata.batch_size()
+    def _start_round(self, req_ids: list[str], verified: list[int] | None,
+                     num_tokens: int, started: float) -> None:
+        """Time the round that just ended, drop the state of requests vLLM no
+        longer holds (looked at only when the batch or the held set changed),
+        and count this round."""
+        self._time_previous_round(req_ids, verified, num_tokens, started)
+        previous = self._previous_round
+        held = len(self.runner.requests)
+        if previous is None or previous.req_ids != req_ids or held != self._held_requests:
+            live = set(self.runner.requests)
+            for req_id in set(self.payoffs) - live:
+                del self.payoffs[req_id]
+            self.forget_finished(live)
+            self._held_requests = held
         self.counters.rounds += 1
-        drafts = torch.full(
-            (batch_size, num_speculative_tokens), NO_DRAFT, dtype=torch.int64,
-            device=self.device,
-        )
-        # The decision runs on host lists, so a round that drafts nothing
-        # costs a few microseconds of Python, not device work. A request whose
-        # prompt is still prefilling in chunks has no token to continue from
-        # yet (vLLM discards its sample): it drafts nothing.
-        may_draft = (~self.runner.discard_request_mask.np[:batch_size]).tolist()
-        self.looked_up = set()
-        costs = None
-        if self.options.cost_aware:
-            costs = self.round_costs(batch_size, num_speculative_tokens)
-            if costs is None:  # this round times a plain step
-                return drafts, 0
-        if self.options.lookup is not None:
-            rows = self.draft_by_lookup(req_ids, target_token_ids, next_token_ids,
-                                        common_attn_metadata, accepted_now, drafts)
-            self.looked_up = {req_ids[row] for row in rows}
-            for row in rows:
-                may_draft[row] = False
-        steps = num_speculative_tokens
-        budgets = None
-        if costs is not None:
-            probe = self.counters.rounds % probe_interval(
-                costs, self.options.probe_every, PROBE_SHARE) == 0
+
+    def _take_feedback(self, req_ids: list[str], verified: list[int] | None,
+                       num_rejected_tokens_gpu: torch.Tensor | None) -> dict[str, int]:
+        """Acceptance records from the drafts the forward verified; returns
+        each verified request's accepted count."""
+        accepted_now: dict[str, int] = {}
+        if num_rejected_tokens_gpu is None or verified is None:
+            return accepted_now
+        round_record = [0, 0]  # the engine's: self-drafts accepted, rejections
+        for req_id, accepted, scheduled in verified_feedback(
+                req_ids, verified, num_rejected_tokens_gpu.tolist()):
+            accepted_now[req_id] = accepted
+            if req_id in self.looked_up:
+                continue  # a lookup draft says nothing of the self-draft
+            payoff = self.payoffs.setdefault(req_id, DraftPayoff())
+            payoff.update(accepted, scheduled, PAYOFF_DECAY)
+            round_record[0] += accepted
+            round_record[1] += int(accepted < scheduled)
+            self.observe_round(req_id, accepted, scheduled)
+        if any(round_record):
+            self.engine_payoff.add_round(*round_record, PAYOFF_DECAY)
+        return accepted_now
+
+    def _may_draft(self, req_ids: list[str]) -> list[bool]:
+        """Per request: it has a token to continue from. One whose prompt is
+        still prefilling in chunks has none yet (vLLM discards its sample)."""
+        return (~self.runner.discard_request_mask.np[:len(req_ids)]).tolist()
+
+    def _timed_costs(self, req_ids: list[str],
+                     num_speculative_tokens: int) -> StepCosts | None | bool:
+        """This round's costs when cost-aware (None: it times a plain step and
+        drafts nothing, not even a lookup), False when not cost-aware. Runs once
+        per round: sharing the costs is a tensor-parallel collective."""
+        if not self.options.cost_aware:
+            return False
+        if self._round_costs is None or self._round_costs[0] != self.counters.rounds:
+            self._round_costs = (self.counters.rounds,
+                                 self.round_costs(len(req_ids), num_speculative_tokens))
+        return self._round_costs[1]
+
+    def _decide(self, req_ids: list[str], num_speculative_tokens: int,
+                may_draft: list[bool]) -> DraftDecision | None:
+        """How many draft steps this round runs and which requests draft, on
+        host lists alone (a round that drafts nothing does no device work);
+        None when it drafts nothing."""
+        self._quiet_until = 0
+        costs = self._timed_costs(req_ids, num_speculative_tokens)
+        if costs is None:
+            return None
+        steps, budgets, all_may_draft = num_speculative_tokens, None, all(may_draft)
+        if costs is not False:
+            rounds = self.counters.rounds
+            interval = probe_interval(costs, self.options.probe_every, PROBE_SHARE)
+            probe = rounds % interval == 0
             budgets, acceptances = self.round_budgets(req_ids, costs, num_speculative_tokens,
                                                       probe)
             budgets = [b if row_drafts else 0 for b, row_drafts in zip(budgets, may_draft)]
             may_draft = [b > 0 for b in budgets]
-            steps = batch_steps(acceptances, budgets, costs, batch_size, MIN_GAIN)
+            steps = batch_steps(acceptances, budgets, costs, len(req_ids), MIN_GAIN)
             if probe and any(budgets):
                 steps = max(steps, 1)  # idle requests probe even where the batch would not
+            if steps == 0 and all_may_draft and self.shared_costs and rounds % SHARE_EVERY:
+                # Until the next probe or cost update, the same requests without
+                # feedback decide the same: `_repeat_decline` may say it again.
+                self._quiet_until = min((rounds // interval + 1) * interval,
+                                        (rounds // SHARE_EVERY + 1) * SHARE_EVERY)
         if steps == 0 or not any(may_draft):
-            return drafts, 0
+            return None
+        return DraftDecision(steps, may_draft, budgets)
+
+    def _draft_loop(self, drafts: torch.Tensor, req_ids: list[str], decision: DraftDecision,
+                    target_token_ids: torch.Tensor, target_positions: torch.Tensor,
+                    target_hidden_states: torch.Tensor, next_token_ids: torch.Tensor,
+                    token_indices_to_sample: torch.Tensor | None,
+                    common_attn_metadata: CommonAttentionMetadata,
+                    num_rejected_tokens_gpu: torch.Tensor | None) -> int:
+        """Run the decided draft steps, writing `drafts`; returns the steps run."""
+        batch_size = len(req_ids)
+        may_draft, budgets = decision.may_draft, decision.budgets
         drafting = torch.tensor(may_draft, device=self.device)
         if budgets is not None:
             budget = torch.tensor(budgets, device=self.device)
@@ -372,7 +480,7 @@ class SelfSpecProposer(DraftModelProposer):
         # The round's tokens so far: the sampled token, then each step's draft.
         round_tokens = next_token_ids.view(batch_size, 1)
         steps_run = 0
-        for step in range(steps):
+        for step in range(decision.steps):
             if budgets is not None:
                 drafting &= budget > step
             steps_run += 1
@@ -389,19 +497,15 @@ class SelfSpecProposer(DraftModelProposer):
                 drafting &= ~stop
             if (is_draft is not None or stop is not None) and not bool(drafting.any()):
                 break
-        return drafts, steps_run
+        return steps_run
 
     def prepare_inputs_padded(self, common_attn_metadata, spec_decode_metadata,
                               valid_sampled_tokens_count):
         """vLLM's, noting how many drafts it scheduled per request: only those
         were verified (budget and structured-output trims, chunked prefill drop
-        the rest), so only those become acceptance feedback. A batch without
-        drafts skips vLLM's kernel: its answer would change nothing."""
+        the rest), so only those become acceptance feedback. (A batch without
+        drafts has no spec-decode metadata and never comes here: patches.py.)"""
         self._verified_drafts = list(spec_decode_metadata.num_draft_tokens)
-        if spec_decode_metadata.max_spec_len == 0:
-            # Nothing was verified: the forward's metadata stands as it is, as
-            # after a prefill (vLLM builds spec-decode metadata every step).
-            return common_attn_metadata, None, None
         return super().prepare_inputs_padded(common_attn_metadata, spec_decode_metadata,
                                              valid_sampled_tokens_count)
 

@@ -236,6 +236,7 @@ def _ray_actor_id() -> str | None:
 # then sampling, the drafter and output bookkeeping.
 RUNNER_PIECES = ("execute_model", "_prepare_inputs", "sample_tokens", "_sample",
                  "propose_draft_token_ids", "_bookkeeping_sync")
+DRAFTER_PIECES = ("decline_early", "propose")  # ours has both; vLLM's only propose
 
 
 def time_step_pieces(runner, start: bool) -> dict | None:
@@ -251,7 +252,7 @@ def time_step_pieces(runner, start: bool) -> dict | None:
 
 
 class StepPieceTimer:
-    """Wraps the runner's step pieces (and the drafter's `propose`) in timers,
+    """Wraps the runner's step pieces (and the drafter's) in timers,
     on this runner instance only, counting decode steps only: a step that
     schedules a new request's prompt is left out."""
 
@@ -259,8 +260,8 @@ class StepPieceTimer:
         self.record: dict[str, list] = {}
         self.decoding = False
         owners = [(runner, name) for name in RUNNER_PIECES]
-        if getattr(runner, "drafter", None) is not None:
-            owners.append((runner.drafter, "propose"))
+        drafter = getattr(runner, "drafter", None)
+        owners += [(drafter, name) for name in DRAFTER_PIECES if hasattr(drafter, name)]
         for owner, name in owners:
             label = name if owner is runner else f"drafter.{name}"
             setattr(owner, name, self._timed(getattr(owner, name), label))
