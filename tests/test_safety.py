@@ -166,12 +166,14 @@ def test_round_clock_fits_fixed_and_per_draft_costs_from_steady_rounds():
 def test_a_repeated_decline_is_what_deciding_would_say(monkeypatch):
     """Rounds that repeat the last decline without deciding again
     (`_repeat_decline`, the cheap path) decline exactly where the full decision
-    declines: probes and cost updates still come when they are due."""
+    declines, also across a change of batch: probes and cost updates still
+    come when they are due."""
+    import time
     from types import SimpleNamespace
 
     import numpy as np
 
-    from vllm_selfspec.proposers.base import SelfSpecProposer
+    from vllm_selfspec.proposers.base import RoundTiming, SelfSpecProposer
     from vllm_selfspec.workers.draft_payoff import StepCosts
 
     shared = []  # the rounds that shared costs from rank 0
@@ -193,12 +195,16 @@ def test_a_repeated_decline_is_what_deciding_would_say(monkeypatch):
         proposer._repeat_decline = lambda num_tokens: repeated.append(
             repeat and repeat_decline(num_tokens)) or repeated[-1]
         declined = []
-        for _ in range(400):
-            declined.append(proposer.decline_early(4, 1, None))
+        for index in range(400):
+            if index == 200:  # a second request joins
+                proposer.runner.input_batch.req_ids = ["a", "b"]
+                proposer.runner.requests = {"a": None, "b": None}
+            req_ids = proposer.runner.input_batch.req_ids
+            declined.append(proposer.decline_early(4, len(req_ids), None))
             if not declined[-1]:  # a probe: `propose` drafts, nothing verified after
                 proposer._early = None
-                proposer._previous_round = proposer._previous_round.__class__(
-                    ["a"], 1, 0.0, 0.0)
+                now = time.perf_counter()
+                proposer._previous_round = RoundTiming(list(req_ids), 1, now, now)
         return declined, sum(repeated), len(shared)
 
     deciding, _, deciding_shared = rounds(repeat=False)

@@ -286,11 +286,14 @@ class SelfSpecProposer(DraftModelProposer):
     def decline_early(self, num_speculative_tokens: int, num_tokens: int,
                       spec_decode_metadata) -> bool:
         """Called by the runner before vLLM's drafting glue (next tokens,
-        input slices), on a forward that verified no drafts (no spec-decode
-        metadata: patches.py gives a batch without drafts none): decide this round
-        on the host alone and, when it drafts nothing, finish it here, so the
-        glue is not paid either. A round that drafts goes on to `propose`
-        with the decision made. Lookup needs the sampled tokens: not here."""
+        input slices) in every synchronous round. After a forward that verified
+        no drafts (no spec-decode metadata: patches.py gives a batch without
+        drafts none), decide this round on the host alone and, when it drafts
+        nothing, finish it here, so the glue is not paid either; a round that
+        drafts goes on to `propose` with the decision made. False at once after
+        a forward that verified drafts (their feedback comes first) or with
+        lookup (it needs the sampled tokens): `propose` decides."""
+        self._early = None  # a decision is for its own round only
         if self.options.lookup is not None or spec_decode_metadata is not None:
             return False  # lookup, or drafts were verified: feedback first
         if self._repeat_decline(num_tokens):
@@ -504,7 +507,8 @@ class SelfSpecProposer(DraftModelProposer):
         """vLLM's, noting how many drafts it scheduled per request: only those
         were verified (budget and structured-output trims, chunked prefill drop
         the rest), so only those become acceptance feedback. (A batch without
-        drafts has no spec-decode metadata and never comes here: patches.py.)"""
+        drafts has no spec-decode metadata and does not come here, except on a
+        hybrid model, which keeps vLLM's metadata: patches.py.)"""
         self._verified_drafts = list(spec_decode_metadata.num_draft_tokens)
         return super().prepare_inputs_padded(common_attn_metadata, spec_decode_metadata,
                                              valid_sampled_tokens_count)
