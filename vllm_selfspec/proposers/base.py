@@ -317,16 +317,22 @@ class SelfSpecProposer(DraftModelProposer):
         objects, each a cache miss after the forward streamed the weights
         (~0.1 ms on the CPU); this touches a few."""
         previous = self._previous_round
-        rounds = self.counters.rounds + 1
-        if (rounds >= self._quiet_until or num_tokens != len(previous.req_ids)
-                or self.runner.input_batch.req_ids != previous.req_ids
-                or len(self.runner.requests) != self._held_requests):
+        if (self.counters.rounds + 1 >= self._quiet_until
+                or num_tokens != len(previous.req_ids)
+                or not self._same_requests(self.runner.input_batch.req_ids)):
             return False
         started = time.perf_counter()
-        self.clock.record_plain(num_tokens, started - previous.ended, rounds - 1)
-        self.counters.rounds = rounds
+        self._time_previous_round(previous.req_ids, None, num_tokens, started)
+        self.counters.rounds += 1
         self._previous_round = RoundTiming(previous.req_ids, 0, started, time.perf_counter())
         return True
+
+    def _same_requests(self, req_ids: list[str]) -> bool:
+        """The previous round's batch, and vLLM holds as many requests as when
+        finished requests' state was last dropped."""
+        previous = self._previous_round
+        return (previous is not None and previous.req_ids == req_ids
+                and len(self.runner.requests) == self._held_requests)
 
     def propose(
         self,
@@ -378,14 +384,12 @@ class SelfSpecProposer(DraftModelProposer):
         longer holds (looked at only when the batch or the held set changed),
         and count this round."""
         self._time_previous_round(req_ids, verified, num_tokens, started)
-        previous = self._previous_round
-        held = len(self.runner.requests)
-        if previous is None or previous.req_ids != req_ids or held != self._held_requests:
+        if not self._same_requests(req_ids):
             live = set(self.runner.requests)
             for req_id in set(self.payoffs) - live:
                 del self.payoffs[req_id]
             self.forget_finished(live)
-            self._held_requests = held
+            self._held_requests = len(live)
         self.counters.rounds += 1
 
     def _take_feedback(self, req_ids: list[str], verified: list[int] | None,
