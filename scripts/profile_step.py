@@ -7,7 +7,11 @@ A step's wall time comes from the requests' own token timestamps, so what is
 left (the engine core's scheduling and output handling, and the messages
 between the engine core and the worker) is the step minus the runner's
 pieces. Declined rounds show up as the difference to plain that the drafter
-and its glue cost while drafting nothing.
+and its glue cost while drafting nothing. With `--passes N` each engine
+decodes the prompts N times and each pass's speed is shown: on these VMs
+some engines start with a forward 10-20 % slower than others' and speed up
+over minutes (docs/results.md), which a one-pass comparison mistakes for a
+method's cost.
 
     python scripts/profile_step.py --methods plain,draft_verify,swift,ngram
 """
@@ -28,21 +32,27 @@ from vllm_selfspec.workers.profiling import DRAFTER_PIECES, RUNNER_PIECES
 
 
 def profile(model_dir, spec: dict | None, prompts: list[str], engine_args,
-            max_tokens: int) -> dict:
-    """Per-step milliseconds of each piece, and the step's own."""
+            max_tokens: int, passes: int) -> dict:
+    """Per-step milliseconds of each piece, and the step's own, over all
+    passes; and each pass's tokens/s and forward, in the order they ran."""
     from vllm import SamplingParams
 
     llm = start(model_dir, spec, engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
-    llm.collective_rpc("selfspec_time_step_pieces", args=(True,))
-    tokens, seconds = 0, 0.0
-    for prompt in prompts:
-        decoded, decode_seconds = decode_time(
-            llm.generate([prompt], params, use_tqdm=False)[0])
-        tokens, seconds = tokens + decoded, seconds + decode_seconds
-    pieces = llm.collective_rpc("selfspec_time_step_pieces")[0]
+    runs = []
+    for _ in range(passes):
+        llm.collective_rpc("selfspec_time_step_pieces", args=(True,))
+        tokens, seconds = 0, 0.0
+        for prompt in prompts:
+            decoded, decode_seconds = decode_time(
+                llm.generate([prompt], params, use_tqdm=False)[0])
+            tokens, seconds = tokens + decoded, seconds + decode_seconds
+        runs.append((tokens, seconds, llm.collective_rpc("selfspec_time_step_pieces")[0]))
     shutdown(llm)
+    tokens, seconds = sum(run[0] for run in runs), sum(run[1] for run in runs)
+    pieces = {label: [sum(run[2][label][i] for run in runs) for i in (0, 1)]
+              for label in runs[0][2]}
     steps = pieces["execute_model"][0]  # decode steps: what `seconds` spans
     per_step = {label: 1000 * total / steps for label, (_, total) in pieces.items()}
     step_ms = 1000 * seconds / steps
@@ -50,7 +60,9 @@ def profile(model_dir, spec: dict | None, prompts: list[str], engine_args,
         step_ms - per_step["execute_model"] - per_step["sample_tokens"])
     return {"tokens_per_s": tokens / seconds, "tokens_per_step": tokens / steps,
             "step_ms": step_ms, "steps": steps,
-            "pieces_ms": {k: round(v, 3) for k, v in per_step.items()}}
+            "pieces_ms": {k: round(v, 3) for k, v in per_step.items()},
+            "passes": [{"tokens_per_s": round(t / s, 2), "execute_model_ms": round(
+                1000 * p["execute_model"][1] / p["execute_model"][0], 3)} for t, s, p in runs]}
 
 
 def main() -> None:
@@ -61,6 +73,10 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default=fast_dtype())
+    parser.add_argument("--passes", type=int, default=1,
+                        help="decode the prompts this many times per engine; each pass's "
+                             "tokens/s and forward time are printed in order, which shows "
+                             "an engine whose speed drifts after it starts")
     parser.add_argument("--name", help="results file stem")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -71,7 +87,8 @@ def main() -> None:
                                   del_exits=None)
     configs = method_configs(model_dir, engine_args)
     prompts = benchmark_prompts(AutoTokenizer.from_pretrained(model_dir), args.num_prompts)
-    results = {name: profile(model_dir, configs[name], prompts, engine_args, args.max_tokens)
+    results = {name: profile(model_dir, configs[name], prompts, engine_args, args.max_tokens,
+                             args.passes)
                for name in tqdm(args.methods.split(","), desc="engines", file=CONSOLE)}
     labels = ["step_ms", *RUNNER_PIECES, *(f"drafter.{name}" for name in DRAFTER_PIECES),
               "engine_core_and_messages"]
@@ -87,11 +104,18 @@ def main() -> None:
     if plain:
         print(f"{'x plain':26}" + "".join(
             f"{r['tokens_per_s'] / plain['tokens_per_s']:>14.3f}" for r in results.values()))
+    if args.passes > 1:
+        print("per pass, tokens/s (execute_model ms):")
+        for method, result in results.items():
+            print(f"{method:26}" + "".join(
+                f"{p['tokens_per_s']:>9.1f} ({p['execute_model_ms']:.2f})"
+                for p in result["passes"]))
     name = args.name or f"step-pieces-{args.model}-{args.dtype}"
     command = "python scripts/profile_step.py " + " ".join(os.sys.argv[1:])
     (RESULTS / f"{name}.json").write_text(json.dumps(
         {"command": command.strip(), "cpu_flags": cpu_flags(), "model": args.model,
          "dtype": args.dtype, "prompts": len(prompts), "max_tokens": args.max_tokens,
+         "passes": args.passes,
          "configs": {n: configs[n] for n in results}, "results": results}, indent=2))
     print(f"saved {RESULTS / name}.json", file=CONSOLE)
 

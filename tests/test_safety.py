@@ -92,6 +92,41 @@ def test_draft_budget_declines_when_drafting_loses_and_probes_again():
     assert round_budget(payoff.acceptance(0.6), cheap, 8, 0.05, probe=False) >= 4
 
 
+def test_lookup_length_follows_the_requests_own_lookups():
+    """A looked-up token costs only its verification: a request whose lookups
+    keep being accepted looks up to the cap, one whose lookups part from the
+    target at once looks up nothing but one token on probe rounds, each
+    request by its own record; the self-draft's record is left alone. Without
+    cost-aware drafting every lookup may run to the cap."""
+    from types import SimpleNamespace
+
+    from vllm_selfspec.proposers.base import SelfSpecProposer
+    from vllm_selfspec.workers.draft_payoff import StepCosts
+
+    proposer = SelfSpecProposer.__new__(SelfSpecProposer)
+    proposer.start_round_state()
+    proposer.options = SimpleNamespace(probe_every=16)
+    proposer.observe_round = lambda *args: None
+    proposer.counters.rounds = 1  # not a probe round
+    # The self-draft's step is dear; verifying one more token is not.
+    costs = StepCosts(per_draft=0.8, round_overhead=0.3, per_verified=0.04)
+    first = proposer.lookup_lengths(["copy", "chat"], costs, 12)
+    assert first[0] == first[1] and 1 < first[0] < 12  # the prior, for both
+    for _ in range(8):
+        proposer.looked_up = {"copy", "chat"}
+        proposer._take_feedback(["copy", "chat", "self"], [6, 6, 2],
+                                SimpleNamespace(tolist=lambda: [0, 6, 1]))
+    copy, chat, fresh = proposer.lookup_lengths(["copy", "chat", "new"], costs, 12)
+    assert copy == 12 and chat == 0 and 1 <= fresh < 12
+    proposer.counters.rounds = 0  # a probe round
+    assert proposer.lookup_lengths(["chat"], costs, 12) == [1]
+    assert set(proposer.payoffs) == {"self"}  # lookups are not the self-draft's record
+    assert proposer.per_request_state() == {"payoffs": 1, "lookup_payoffs": 2}
+    assert proposer.lookup_lengths(["copy", "chat"], False, 12) == [12, 12]
+    # Untimed lookups fall back to a draft token's cost: they stay short.
+    assert StepCosts(per_draft=0.8).for_lookup() == StepCosts(0.8, 0.0, 0.8)
+
+
 def test_dear_probes_are_spread_out():
     """A probe that finds nothing costs F + w plain steps: at most a share of
     decoding goes to them, and never more often than probe_every."""

@@ -156,6 +156,8 @@ class SelfSpecProposer(DraftModelProposer):
         self.counters = DraftCounters()
         self.payoffs: dict[str, DraftPayoff] = {}  # per request, for cost_aware
         self.engine_payoff = DraftPayoff()  # every request's self-drafts: the prior
+        self.lookup_payoffs: dict[str, DraftPayoff] = {}  # per request, its lookups
+        self.engine_lookup_payoff = DraftPayoff()  # every request's lookups: the prior
         self.looked_up: set[str] = set()  # requests whose last drafts were a lookup
         self.clock = RoundClock()
         self._previous_round: RoundTiming | None = None
@@ -190,7 +192,7 @@ class SelfSpecProposer(DraftModelProposer):
     def per_request_state(self) -> dict[str, int]:
         """Requests with state held now, per kind of state: the requests vLLM
         holds at most, so growth after requests finish is a leak."""
-        return {"payoffs": len(self.payoffs)}
+        return {"payoffs": len(self.payoffs), "lookup_payoffs": len(self.lookup_payoffs)}
 
     # --- vLLM's proposer interface -------------------------------------------
     def draft_depth(self, num_layers: int) -> int:
@@ -361,10 +363,11 @@ class SelfSpecProposer(DraftModelProposer):
             accepted_now = self._take_feedback(req_ids, verified, num_rejected_tokens_gpu)
             may_draft = self._may_draft(req_ids)
             self.looked_up = set()
-            if (self.options.lookup is not None
-                    and self._timed_costs(req_ids, num_speculative_tokens) is not None):
+            costs = (self._timed_costs(req_ids, num_speculative_tokens)
+                     if self.options.lookup is not None else None)
+            if costs is not None:
                 rows = self.draft_by_lookup(req_ids, target_token_ids, next_token_ids,
-                                            common_attn_metadata, accepted_now, drafts)
+                                            common_attn_metadata, accepted_now, drafts, costs)
                 self.looked_up = {req_ids[row] for row in rows}
                 for row in rows:
                     may_draft[row] = False
@@ -386,8 +389,9 @@ class SelfSpecProposer(DraftModelProposer):
         self._time_previous_round(req_ids, verified, num_tokens, started)
         if not self._same_requests(req_ids):
             live = set(self.runner.requests)
-            for req_id in set(self.payoffs) - live:
-                del self.payoffs[req_id]
+            for records in (self.payoffs, self.lookup_payoffs):
+                for req_id in set(records) - live:
+                    del records[req_id]
             self.forget_finished(live)
             self._held_requests = len(live)
         self.counters.rounds += 1
@@ -399,19 +403,24 @@ class SelfSpecProposer(DraftModelProposer):
         accepted_now: dict[str, int] = {}
         if num_rejected_tokens_gpu is None or verified is None:
             return accepted_now
-        round_record = [0, 0]  # the engine's: self-drafts accepted, rejections
+        # The engine's, self-drafts and lookups apart: accepted, rejections.
+        round_record, lookup_record = [0, 0], [0, 0]
         for req_id, accepted, scheduled in verified_feedback(
                 req_ids, verified, num_rejected_tokens_gpu.tolist()):
             accepted_now[req_id] = accepted
-            if req_id in self.looked_up:
-                continue  # a lookup draft says nothing of the self-draft
-            payoff = self.payoffs.setdefault(req_id, DraftPayoff())
-            payoff.update(accepted, scheduled, PAYOFF_DECAY)
-            round_record[0] += accepted
-            round_record[1] += int(accepted < scheduled)
-            self.observe_round(req_id, accepted, scheduled)
-        if any(round_record):
-            self.engine_payoff.add_round(*round_record, PAYOFF_DECAY)
+            # A lookup draft says nothing of the self-draft, and the other way round.
+            looked_up = req_id in self.looked_up
+            records = self.lookup_payoffs if looked_up else self.payoffs
+            records.setdefault(req_id, DraftPayoff()).update(accepted, scheduled, PAYOFF_DECAY)
+            record = lookup_record if looked_up else round_record
+            record[0] += accepted
+            record[1] += int(accepted < scheduled)
+            if not looked_up:
+                self.observe_round(req_id, accepted, scheduled)
+        for engine_record, record in ((self.engine_payoff, round_record),
+                                      (self.engine_lookup_payoff, lookup_record)):
+            if any(record):
+                engine_record.add_round(*record, PAYOFF_DECAY)
         return accepted_now
 
     def _may_draft(self, req_ids: list[str]) -> list[bool]:
@@ -520,7 +529,8 @@ class SelfSpecProposer(DraftModelProposer):
     # --- lookup drafts ---------------------------------------------------------
     def draft_by_lookup(self, req_ids: list[str], step_tokens: torch.Tensor,
                         next_token_ids: torch.Tensor, cad: CommonAttentionMetadata,
-                        accepted: dict[str, int], drafts: torch.Tensor) -> list[int]:
+                        accepted: dict[str, int], drafts: torch.Tensor,
+                        costs: StepCosts | bool) -> list[int]:
         """Fill `drafts` for the requests whose own text offers a match
         (workers/lookup.py); returns their rows."""
         from vllm_selfspec.workers.lookup import lookup_draft, request_tokens
@@ -530,20 +540,41 @@ class SelfSpecProposer(DraftModelProposer):
         tokens, next_ids = step_tokens.tolist(), next_token_ids.tolist()
         first_rows = cad.query_start_loc_cpu.tolist()
         max_model_len = self.vllm_config.model_config.max_model_len
+        lengths = self.lookup_lengths(req_ids, costs, min(drafts.shape[1],
+                                                          self.options.lookup["max_tokens"]))
         rows = []
         for row, req_id in enumerate(req_ids):
-            if discarded[row]:
+            if discarded[row] or not lengths[row]:
                 continue
             context = request_tokens(
                 batch.token_ids_cpu[row, :batch.num_tokens_no_spec[row]], tokens,
                 first_rows[row], accepted.get(req_id, 0), next_ids[row])
             found = lookup_draft(context, self.options.lookup["min_match"],
                                  self.options.lookup["max_match"], max_model_len,
-                                 min(drafts.shape[1], self.options.lookup["max_tokens"]))
+                                 lengths[row])
             if len(found):
                 drafts[row, :len(found)] = torch.from_numpy(found).to(drafts.device)
                 rows.append(row)
         return rows
+
+    def lookup_lengths(self, req_ids: list[str], costs: StepCosts | bool,
+                       max_tokens: int) -> list[int]:
+        """The most tokens each request's lookup may draft this round: when
+        cost-aware, the length its own lookups' acceptance record makes worth
+        their verification (a looked-up token runs no draft step, so in text
+        that copies long spans this grows to `max_tokens`, and in text whose
+        matches soon part from the target's it stays short), 0 where no
+        length pays (that request then self-drafts or not, as decided for
+        it), and 1 instead of 0 on a probe round, so the record recovers.
+        Without cost-aware drafting, `max_tokens`."""
+        if costs is False:
+            return [max_tokens] * len(req_ids)
+        lookup_costs = costs.for_lookup()
+        probe = self.counters.rounds % probe_interval(
+            lookup_costs, self.options.probe_every, PROBE_SHARE) == 0
+        prior = self.engine_lookup_payoff.acceptance(PRIOR_ACCEPTANCE)
+        return [round_budget(self.lookup_payoffs.get(req_id, DraftPayoff()).acceptance(prior),
+                             lookup_costs, max_tokens, MIN_GAIN, probe) for req_id in req_ids]
 
     # --- cost-aware drafting -------------------------------------------------
     def round_budgets(self, req_ids: list[str], costs: StepCosts, max_drafts: int,

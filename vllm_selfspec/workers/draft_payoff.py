@@ -44,11 +44,19 @@ import numpy as np
 @dataclass(frozen=True)
 class StepCosts:
     """A drafted round's costs in plain decode steps: per draft token (its
-    draft step and its share of the verification), and the round's fixed
-    extra over a plain step."""
+    draft step and its share of the verification), the round's fixed extra
+    over a plain step, and per looked-up token (its share of the verification
+    alone: a lookup runs no draft step; None where not timed)."""
 
     per_draft: float
     round_overhead: float = 0.0
+    per_verified: float | None = None
+
+    def for_lookup(self) -> StepCosts:
+        """The costs of a round whose drafts are looked up: each token costs
+        its verification share, and the round the same fixed extra."""
+        per_token = self.per_draft if self.per_verified is None else self.per_verified
+        return StepCosts(per_token, self.round_overhead, per_token)
 
 
 @dataclass
@@ -194,7 +202,8 @@ def fit_round_costs(steps: list[int], extra: list[float], prior: StepCosts) -> S
     """F and w from drafted rounds' extra cost over a plain step (in plain
     steps): a line through each draft count's median when rounds drafted at
     least two different counts; otherwise (every round drafted the same k) the
-    prior's w, the rest of the extra being F."""
+    prior's w, the rest of the extra being F. A looked-up token's cost is the
+    prior's (lookup rounds are not timed apart)."""
     medians = {k: float(np.median([e for s, e in zip(steps, extra) if s == k]))
                for k in set(steps)}
     if len(medians) >= 2:
@@ -202,10 +211,10 @@ def fit_round_costs(steps: list[int], extra: list[float], prior: StepCosts) -> S
         per_draft, overhead = np.polyfit(list(medians), list(medians.values()), 1,
                                          w=np.sqrt(counts))
         if per_draft > 0 and overhead >= 0:
-            return StepCosts(float(per_draft), float(overhead))
+            return StepCosts(float(per_draft), float(overhead), prior.per_verified)
     k, value = max(medians.items(), key=lambda item: steps.count(item[0]))
     per_draft = min(prior.per_draft, max(value, 0.0) / k)
-    return StepCosts(per_draft, max(value - k * per_draft, 0.0))
+    return StepCosts(per_draft, max(value - k * per_draft, 0.0), prior.per_verified)
 
 
 def costs_for(costs: dict[int, StepCosts], batch_size: int) -> StepCosts:

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import numpy as np
 
-# A lookup draft is at most `max_tokens` long (vLLM's ngram default k): its
-# tokens cost no draft step but each is verified, and past the first few a
-# match's continuation is seldom the target's (docs/results.md).
-LOOKUP_DEFAULTS = {"min_match": 3, "max_match": 8, "max_tokens": 4}
+# A lookup draft is at most `max_tokens` long (and at most the method's
+# num_speculative_tokens): its tokens cost no draft step but each is verified.
+# Cost-aware drafting sizes each request's lookups by their record below that
+# cap (`SelfSpecProposer.lookup_lengths`): long in text that copies long spans,
+# short where a match's continuation soon parts from the target's
+# (docs/results.md). Without it every lookup may run to the cap.
+LOOKUP_DEFAULTS = {"min_match": 3, "max_match": 8, "max_tokens": 12}
 
 
 def request_tokens(recorded: np.ndarray, step_tokens: list[int], first_row: int,

@@ -286,11 +286,13 @@ def draft_and_verify_costs(runner, drafter, max_drafts: int, repeats: int = 10
                            ) -> StepCosts:
     """A draft token's cost from forward timings alone (one request): its
     draft step and its share of a verification over max_drafts + 1 tokens,
-    in plain forwards. The stand-in until the engine's rounds are timed."""
+    in plain forwards; and that share alone, a looked-up token's cost. The
+    stand-in until the engine's rounds are timed."""
     plain = _time_forward(runner.model, runner.vllm_config, 1, repeats)
     draft = _time_forward(drafter.model, drafter.vllm_config, 1, repeats)
     verify = _time_forward(runner.model, runner.vllm_config, 1 + max_drafts, repeats)
-    return StepCosts(per_draft=(draft + max(verify - plain, 0.0) / max_drafts) / plain)
+    verified = max(verify - plain, 0.0) / max_drafts / plain
+    return StepCosts(per_draft=draft / plain + verified, per_verified=verified)
 
 
 def measure_step_costs(worker, batch_size: int = 1, repeats: int = 30) -> dict:
