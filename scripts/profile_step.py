@@ -51,8 +51,9 @@ def profile(model_dir, spec: dict | None, prompts: list[str], engine_args,
         runs.append((tokens, seconds, llm.collective_rpc("selfspec_time_step_pieces")[0]))
     shutdown(llm)
     tokens, seconds = sum(run[0] for run in runs), sum(run[1] for run in runs)
-    pieces = {label: [sum(run[2][label][i] for run in runs) for i in (0, 1)]
-              for label in runs[0][2]}
+    labels = {label for run in runs for label in run[2]}  # a pass may miss a piece
+    pieces = {label: [sum(run[2].get(label, (0, 0.0))[i] for run in runs) for i in (0, 1)]
+              for label in labels}
     steps = pieces["execute_model"][0]  # decode steps: what `seconds` spans
     per_step = {label: 1000 * total / steps for label, (_, total) in pieces.items()}
     step_ms = 1000 * seconds / steps
@@ -73,7 +74,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default=fast_dtype())
-    parser.add_argument("--passes", type=int, default=1,
+    parser.add_argument("--passes", type=lambda v: max(int(v), 1), default=1,
                         help="decode the prompts this many times per engine; each pass's "
                              "tokens/s and forward time are printed in order, which shows "
                              "an engine whose speed drifts after it starts")

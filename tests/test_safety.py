@@ -117,9 +117,18 @@ def test_lookup_length_follows_the_requests_own_lookups():
         proposer._take_feedback(["copy", "chat", "self"], [6, 6, 2],
                                 SimpleNamespace(tolist=lambda: [0, 6, 1]))
     copy, chat, fresh = proposer.lookup_lengths(["copy", "chat", "new"], costs, 12)
-    assert copy == 12 and chat == 0 and 1 <= fresh < 12
-    proposer.counters.rounds = 0  # a probe round
-    assert proposer.lookup_lengths(["chat"], costs, 12) == [1]
+    assert copy == 12 and chat == 0
+    # A new request starts from the engine's lookup record (half of all
+    # lookups accepted here), not from the self-draft's or a fixed prior.
+    assert first[0] < fresh < copy
+    assert proposer.engine_lookup_payoff.accepted > 0
+    # The engine's self-draft record is "self"'s alone: the lookups stayed out.
+    assert proposer.engine_payoff == proposer.payoffs["self"]
+    # Probe rounds are the lookup's own (F + a looked-up token: every 34th
+    # round here, where a self-draft probe would come every 110th).
+    for rounds, length in ((0, 1), (34, 1), (35, 0), (110, 0)):
+        proposer.counters.rounds = rounds
+        assert proposer.lookup_lengths(["chat"], costs, 12) == [length], rounds
     assert set(proposer.payoffs) == {"self"}  # lookups are not the self-draft's record
     assert proposer.per_request_state() == {"payoffs": 1, "lookup_payoffs": 2}
     assert proposer.lookup_lengths(["copy", "chat"], False, 12) == [12, 12]

@@ -91,10 +91,11 @@ class SelfSpecConfig(SpeculativeConfig):
     (default 16)."""
     lookup: dict[str, int] | None = None
     """Try a free draft from the request's own text first: {"min_match": 3,
-    "max_match": 8, "max_tokens": 4} (or {} for these defaults). When the
-    request's last min_match..max_match tokens occurred earlier in it, up to
-    max_tokens of the tokens that followed are this round's drafts and no
-    self-draft runs for it."""
+    "max_match": 8, "max_tokens": 12} (or {} for these defaults). When the
+    request's last min_match..max_match tokens occurred earlier in it, the
+    tokens that followed are this round's drafts and no self-draft runs for
+    it: with cost_aware as many (up to max_tokens) as its own lookups' record
+    makes worth verifying, else max_tokens."""
 
     # Defaults a method module sets; None means "not given by the user".
     default_num_speculative_tokens: ClassVar[int] = 4

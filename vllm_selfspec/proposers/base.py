@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -530,7 +531,7 @@ class SelfSpecProposer(DraftModelProposer):
     def draft_by_lookup(self, req_ids: list[str], step_tokens: torch.Tensor,
                         next_token_ids: torch.Tensor, cad: CommonAttentionMetadata,
                         accepted: dict[str, int], drafts: torch.Tensor,
-                        costs: StepCosts | bool) -> list[int]:
+                        costs: StepCosts | Literal[False]) -> list[int]:
         """Fill `drafts` for the requests whose own text offers a match
         (workers/lookup.py); returns their rows."""
         from vllm_selfspec.workers.lookup import lookup_draft, request_tokens
@@ -557,7 +558,7 @@ class SelfSpecProposer(DraftModelProposer):
                 rows.append(row)
         return rows
 
-    def lookup_lengths(self, req_ids: list[str], costs: StepCosts | bool,
+    def lookup_lengths(self, req_ids: list[str], costs: StepCosts | Literal[False],
                        max_tokens: int) -> list[int]:
         """The most tokens each request's lookup may draft this round: when
         cost-aware, the length its own lookups' acceptance record makes worth
