@@ -30,7 +30,7 @@ from vllm_selfspec import prompts as prompt_sets
 from vllm_selfspec.assets import ROOT, cpu_flags, fast_dtype
 from vllm_selfspec.config import CONFIGS_DIR, METHOD_MODULES
 from vllm_selfspec.token_sources import SOURCES
-from vllm_selfspec.workers.draft_payoff import StepCosts, fit_round_costs
+from vllm_selfspec.workers.draft_payoff import StepCosts, costs_for, fit_round_costs
 from vllm_selfspec.workers.exit_heads import ExitHeads
 from vllm_selfspec.workers.profiling import WORKER_EXTENSION
 
@@ -426,6 +426,13 @@ def summarize(runs: list[Run], num_layers: int, batch_size: int) -> list[dict]:
                     1 + costs.round_overhead + run.drafts_per_round * costs.per_draft)
                 row["ideal_speedup_S*"] = round(ideal, 3)
                 row["measured_over_S*"] = round(speed / base / ideal, 3)
+            shared = run.step_costs["rounds"]["shared"]
+            if shared and run.step_costs["rounds"]["looked_up"]:
+                # What the engine's own lookup rounds say a looked-up token costs.
+                lookup = costs_for({b: StepCosts(**c) for b, c in shared.items()},
+                                   batch_size).for_lookup()
+                row["lookup_token_cost"] = round(lookup.per_draft, 3)
+                row["lookup_round_overhead"] = round(lookup.round_overhead, 3)
             row["draft_copy_MB"] = round(run.step_costs["draft_copy_bytes"] / 1e6, 1)
             row["draft_copy_share"] = round(run.step_costs["draft_copy_bytes"]
                                             / run.step_costs["model_bytes"], 3)

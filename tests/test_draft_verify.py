@@ -101,4 +101,4 @@ def test_cost_aware_drafting_declines_where_drafts_lose(plain_outputs, test_prom
     # the engine's record says the draft loses, and probes).
     assert 0 < acceptance.drafted < 8 * 48 / 2, acceptance
     assert acceptance.drafted <= 1.2 * acceptance.rounds, acceptance
-    assert state["requests_with_state"]["payoffs"] <= 8
+    assert state["requests_with_state"]["self_records"] <= 8

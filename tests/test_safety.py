@@ -121,19 +121,76 @@ def test_lookup_length_follows_the_requests_own_lookups():
     # A new request starts from the engine's lookup record (half of all
     # lookups accepted here), not from the self-draft's or a fixed prior.
     assert first[0] < fresh < copy
-    assert proposer.engine_lookup_payoff.accepted > 0
+    assert proposer.lookup_records.engine.accepted > 0
     # The engine's self-draft record is "self"'s alone: the lookups stayed out.
-    assert proposer.engine_payoff == proposer.payoffs["self"]
+    assert proposer.self_records.engine == proposer.self_records.requests["self"]
     # Probe rounds are the lookup's own (F + a looked-up token: every 34th
     # round here, where a self-draft probe would come every 110th).
     for rounds, length in ((0, 1), (34, 1), (35, 0), (110, 0)):
         proposer.counters.rounds = rounds
         assert proposer.lookup_lengths(["chat"], costs, 12) == [length], rounds
-    assert set(proposer.payoffs) == {"self"}  # lookups are not the self-draft's record
-    assert proposer.per_request_state() == {"payoffs": 1, "lookup_payoffs": 2}
+    assert set(proposer.self_records.requests) == {"self"}  # lookups stay out of it
+    assert proposer.per_request_state() == {"self_records": 1, "lookup_records": 2,
+                                            "looked_up": 2}
     assert proposer.lookup_lengths(["copy", "chat"], False, 12) == [12, 12]
     # Untimed lookups fall back to a draft token's cost: they stay short.
     assert StepCosts(per_draft=0.8).for_lookup() == StepCosts(0.8, 0.0, 0.8)
+
+
+def test_feedback_goes_to_the_record_of_the_drafts_verified():
+    """vLLM keeps the drafts of a request its token budget leaves out of a
+    step and verifies them in a later one: that feedback goes to the record
+    of the drafts it had (its lookup), not to whatever the last round did."""
+    from types import SimpleNamespace
+
+    from vllm_selfspec.proposers.base import SelfSpecProposer
+
+    proposer = SelfSpecProposer.__new__(SelfSpecProposer)
+    proposer.start_round_state()
+    proposer.observe_round = lambda *args: None
+    proposer.note_lookups(["copy", "chat"], ["copy"])  # copy looks up, chat self-drafts
+    proposer.note_lookups(["chat"], [])  # copy left out of this step
+    proposer._take_feedback(["copy", "chat"], [5, 2], SimpleNamespace(tolist=lambda: [0, 1]))
+    assert set(proposer.lookup_records.requests) == {"copy"}
+    assert set(proposer.self_records.requests) == {"chat"}
+    assert proposer.lookup_records.engine.accepted == 5
+    assert proposer.self_records.engine.accepted == 1
+    proposer.note_lookups(["copy", "chat"], [])  # both self-draft now
+    assert proposer.looked_up == set()
+
+
+def test_lookup_costs_come_from_the_engines_own_lookup_rounds():
+    """Lookup rounds timed as 1 + F_l + n v plain steps replace the
+    profiling-mode share of a looked-up token (forward time, and noise where
+    one more verified token costs little) with the engine's v and F_l; one
+    lookup length alone, or a line that is not a cost, leaves the costs as
+    they were."""
+    from vllm_selfspec.workers.draft_payoff import RoundClock, StepCosts
+
+    plain_s, lookup_overhead, per_verified = 0.02, 0.08, 0.03
+    prior = StepCosts(per_draft=0.6, round_overhead=0.2, per_verified=0.0)
+    clock = RoundClock()
+    for i in range(6):
+        clock.record_plain(1, plain_s, round_index=i)
+        for drafts in (2, 7, 12):
+            clock.record_looked_up(1, drafts,
+                                   plain_s * (1 + lookup_overhead + drafts * per_verified))
+    costs = clock.costs(prior)[1]
+    assert (costs.per_draft, costs.round_overhead) == (0.6, 0.2)  # self-draft costs kept
+    assert abs(costs.per_verified - per_verified) < 1e-6
+    lookup = costs.for_lookup()
+    assert abs(lookup.round_overhead - lookup_overhead) < 1e-6
+    assert lookup.per_draft == lookup.per_verified == costs.per_verified
+    one_length = RoundClock()
+    falling = RoundClock()
+    for i in range(6):
+        one_length.record_plain(1, plain_s, round_index=i)
+        one_length.record_looked_up(1, 4, plain_s * 1.3)
+        falling.record_plain(1, plain_s, round_index=i)
+        falling.record_looked_up(1, 2 + i, plain_s * (1.5 - 0.05 * i))
+    assert one_length.costs(prior) == {1: prior}
+    assert falling.costs(prior) == {1: prior}
+    assert prior.for_lookup() == StepCosts(0.0, 0.2, 0.0)
 
 
 def test_dear_probes_are_spread_out():

@@ -90,7 +90,7 @@ class SelfSpecConfig(SpeculativeConfig):
     engine round (together), to notice when their text turns predictable
     (default 16)."""
     lookup: dict[str, int] | None = None
-    """Try a free draft from the request's own text first: {"min_match": 3,
+    """Try a free draft from the request's own text first: {"min_match": 2,
     "max_match": 8, "max_tokens": 12} (or {} for these defaults). When the
     request's last min_match..max_match tokens occurred earlier in it, the
     tokens that followed are this round's drafts and no self-draft runs for

@@ -50,13 +50,12 @@ from vllm_selfspec.workers.draft_model import (
     key_compile_cache,
 )
 from vllm_selfspec.workers.draft_payoff import (
-    DraftPayoff,
+    AcceptanceRecords,
     RoundClock,
     StepCosts,
     batch_steps,
     costs_for,
     probe_interval,
-    round_budget,
 )
 from vllm_selfspec.workers.draft_weights import DraftWeights
 
@@ -83,13 +82,14 @@ NOT_STEADY_ROUNDS = 2 * SHARE_EVERY
 
 @dataclass(frozen=True)
 class RoundTiming:
-    """The previous round: its requests, draft steps run, and when its
-    drafting started and ended."""
+    """The previous round: its requests, draft steps run, when its drafting
+    started and ended, and whether any of its drafts were looked up."""
 
     req_ids: list[str]
     steps: int
     started: float
     ended: float
+    looked_up: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,11 +155,13 @@ class SelfSpecProposer(DraftModelProposer):
         # just ran, in batch order; None when it verified none.
         self._verified_drafts: list[int] | None = None
         self.counters = DraftCounters()
-        self.payoffs: dict[str, DraftPayoff] = {}  # per request, for cost_aware
-        self.engine_payoff = DraftPayoff()  # every request's self-drafts: the prior
-        self.lookup_payoffs: dict[str, DraftPayoff] = {}  # per request, its lookups
-        self.engine_lookup_payoff = DraftPayoff()  # every request's lookups: the prior
-        self.looked_up: set[str] = set()  # requests whose last drafts were a lookup
+        # Acceptance records for cost_aware; a lookup draft says nothing of
+        # the self-draft, and the other way round.
+        self.self_records = AcceptanceRecords(PRIOR_ACCEPTANCE, PAYOFF_DECAY)
+        self.lookup_records = AcceptanceRecords(PRIOR_ACCEPTANCE, PAYOFF_DECAY)
+        # Requests whose newest drafts were looked up. A request vLLM leaves
+        # out of a step keeps its drafts and their source until it is verified.
+        self.looked_up: set[str] = set()
         self.clock = RoundClock()
         self._previous_round: RoundTiming | None = None
         self.prior_costs: StepCosts | None = None  # profiling mode, at the first round
@@ -193,7 +195,9 @@ class SelfSpecProposer(DraftModelProposer):
     def per_request_state(self) -> dict[str, int]:
         """Requests with state held now, per kind of state: the requests vLLM
         holds at most, so growth after requests finish is a leak."""
-        return {"payoffs": len(self.payoffs), "lookup_payoffs": len(self.lookup_payoffs)}
+        return {"self_records": len(self.self_records.requests),
+                "lookup_records": len(self.lookup_records.requests),
+                "looked_up": len(self.looked_up)}
 
     # --- vLLM's proposer interface -------------------------------------------
     def draft_depth(self, num_layers: int) -> int:
@@ -355,6 +359,7 @@ class SelfSpecProposer(DraftModelProposer):
         batch_size = len(req_ids)
         drafts = torch.full((batch_size, num_speculative_tokens), NO_DRAFT,
                             dtype=torch.int64, device=self.device)
+        rows: list[int] = []  # the rows whose drafts are looked up
         if self._early is not None:  # decided in `decline_early`: it drafts
             (started, decision), self._early = self._early, None
         else:
@@ -363,15 +368,14 @@ class SelfSpecProposer(DraftModelProposer):
             self._start_round(req_ids, verified, target_token_ids.shape[0], started)
             accepted_now = self._take_feedback(req_ids, verified, num_rejected_tokens_gpu)
             may_draft = self._may_draft(req_ids)
-            self.looked_up = set()
             costs = (self._timed_costs(req_ids, num_speculative_tokens)
                      if self.options.lookup is not None else None)
             if costs is not None:
                 rows = self.draft_by_lookup(req_ids, target_token_ids, next_token_ids,
                                             common_attn_metadata, accepted_now, drafts, costs)
-                self.looked_up = {req_ids[row] for row in rows}
                 for row in rows:
                     may_draft[row] = False
+            self.note_lookups(req_ids, [req_ids[row] for row in rows])
             decision = self._decide(req_ids, num_speculative_tokens, may_draft)
         steps = 0
         if decision is not None:
@@ -379,7 +383,8 @@ class SelfSpecProposer(DraftModelProposer):
                 drafts, req_ids, decision, target_token_ids, target_positions,
                 target_hidden_states, next_token_ids, token_indices_to_sample,
                 common_attn_metadata, num_rejected_tokens_gpu)
-        self._previous_round = RoundTiming(req_ids, steps, started, time.perf_counter())
+        self._previous_round = RoundTiming(req_ids, steps, started, time.perf_counter(),
+                                           bool(rows))
         return drafts
 
     def _start_round(self, req_ids: list[str], verified: list[int] | None,
@@ -390,9 +395,9 @@ class SelfSpecProposer(DraftModelProposer):
         self._time_previous_round(req_ids, verified, num_tokens, started)
         if not self._same_requests(req_ids):
             live = set(self.runner.requests)
-            for records in (self.payoffs, self.lookup_payoffs):
-                for req_id in set(records) - live:
-                    del records[req_id]
+            self.self_records.forget(live)
+            self.lookup_records.forget(live)
+            self.looked_up &= live
             self.forget_finished(live)
             self._held_requests = len(live)
         self.counters.rounds += 1
@@ -405,24 +410,29 @@ class SelfSpecProposer(DraftModelProposer):
         if num_rejected_tokens_gpu is None or verified is None:
             return accepted_now
         # The engine's, self-drafts and lookups apart: accepted, rejections.
-        round_record, lookup_record = [0, 0], [0, 0]
+        round_counts = {id(self.self_records): [0, 0], id(self.lookup_records): [0, 0]}
         for req_id, accepted, scheduled in verified_feedback(
                 req_ids, verified, num_rejected_tokens_gpu.tolist()):
             accepted_now[req_id] = accepted
-            # A lookup draft says nothing of the self-draft, and the other way round.
             looked_up = req_id in self.looked_up
-            records = self.lookup_payoffs if looked_up else self.payoffs
-            records.setdefault(req_id, DraftPayoff()).update(accepted, scheduled, PAYOFF_DECAY)
-            record = lookup_record if looked_up else round_record
-            record[0] += accepted
-            record[1] += int(accepted < scheduled)
+            records = self.lookup_records if looked_up else self.self_records
+            records.add_request_round(req_id, accepted, scheduled)
+            counts = round_counts[id(records)]
+            counts[0] += accepted
+            counts[1] += int(accepted < scheduled)
             if not looked_up:
                 self.observe_round(req_id, accepted, scheduled)
-        for engine_record, record in ((self.engine_payoff, round_record),
-                                      (self.engine_lookup_payoff, lookup_record)):
-            if any(record):
-                engine_record.add_round(*record, PAYOFF_DECAY)
+        for records in (self.self_records, self.lookup_records):
+            records.add_engine_round(*round_counts[id(records)])
         return accepted_now
+
+    def note_lookups(self, req_ids: list[str], looked_up: list[str]) -> None:
+        """Which of this round's requests drafted by lookup. A request vLLM
+        leaves out of a step (the token budget) keeps its drafts for a later
+        one, so its note stays until it is in a round again: its feedback
+        then goes to the record of the drafts it had."""
+        self.looked_up.difference_update(req_ids)
+        self.looked_up.update(looked_up)
 
     def _may_draft(self, req_ids: list[str]) -> list[bool]:
         """Per request: it has a token to continue from. One whose prompt is
@@ -455,8 +465,8 @@ class SelfSpecProposer(DraftModelProposer):
             rounds = self.counters.rounds
             interval = probe_interval(costs, self.options.probe_every, PROBE_SHARE)
             probe = rounds % interval == 0
-            budgets, acceptances = self.round_budgets(req_ids, costs, num_speculative_tokens,
-                                                      probe)
+            budgets, acceptances = self.self_records.budgets(
+                req_ids, costs, num_speculative_tokens, MIN_GAIN, probe)
             budgets = [b if row_drafts else 0 for b, row_drafts in zip(budgets, may_draft)]
             may_draft = [b > 0 for b in budgets]
             steps = batch_steps(acceptances, budgets, costs, len(req_ids), MIN_GAIN)
@@ -573,22 +583,10 @@ class SelfSpecProposer(DraftModelProposer):
         lookup_costs = costs.for_lookup()
         probe = self.counters.rounds % probe_interval(
             lookup_costs, self.options.probe_every, PROBE_SHARE) == 0
-        prior = self.engine_lookup_payoff.acceptance(PRIOR_ACCEPTANCE)
-        return [round_budget(self.lookup_payoffs.get(req_id, DraftPayoff()).acceptance(prior),
-                             lookup_costs, max_tokens, MIN_GAIN, probe) for req_id in req_ids]
+        return self.lookup_records.budgets(req_ids, lookup_costs, max_tokens, MIN_GAIN,
+                                           probe)[0]
 
     # --- cost-aware drafting -------------------------------------------------
-    def round_budgets(self, req_ids: list[str], costs: StepCosts, max_drafts: int,
-                      probe: bool) -> tuple[list[int], list[float]]:
-        """Drafts each request may make this round, and its acceptance
-        estimate (workers/draft_payoff.py)."""
-        prior = self.engine_payoff.acceptance(PRIOR_ACCEPTANCE)
-        acceptances = [self.payoffs.setdefault(req_id, DraftPayoff()).acceptance(prior)
-                       for req_id in req_ids]
-        budgets = [round_budget(acceptance, costs, max_drafts, MIN_GAIN, probe)
-                   for acceptance in acceptances]
-        return budgets, acceptances
-
     def round_costs(self, batch_size: int, max_drafts: int) -> StepCosts | None:
         """This round's costs from the engine's timed rounds, the same on every
         tensor-parallel rank (rank 0's, shared on the round clock); None when
@@ -627,9 +625,11 @@ class SelfSpecProposer(DraftModelProposer):
         if (previous is None or previous.req_ids != req_ids
                 or num_tokens != len(req_ids) + drafts_verified):
             return
-        if previous.steps > 0 and drafts_verified > 0 and not self.looked_up:
+        if drafts_verified > 0 and previous.looked_up and previous.steps == 0:
+            self.clock.record_looked_up(len(req_ids), drafts_verified, started - previous.started)
+        elif drafts_verified > 0 and previous.steps > 0 and not previous.looked_up:
             # (A round whose drafts all stopped before step 1 verified nothing;
-            # lookup rows verify drafts no draft step made.)
+            # a round that both looked up and self-drafted is timed as neither.)
             self.clock.record_drafted(len(req_ids), previous.steps, started - previous.started)
         elif drafts_verified == 0:
             self.clock.record_plain(len(req_ids), started - previous.ended,

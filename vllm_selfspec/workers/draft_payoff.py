@@ -33,10 +33,11 @@ costs), so every rank decides the same.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -45,18 +46,22 @@ import numpy as np
 class StepCosts:
     """A drafted round's costs in plain decode steps: per draft token (its
     draft step and its share of the verification), the round's fixed extra
-    over a plain step, and per looked-up token (its share of the verification
-    alone: a lookup runs no draft step; None where not timed)."""
+    over a plain step, per looked-up token (its share of the verification
+    alone: a lookup runs no draft step; None where not timed), and a lookup
+    round's fixed extra (the matcher, the rejection sampler; None until lookup
+    rounds were timed: the drafted round's then stands in)."""
 
     per_draft: float
     round_overhead: float = 0.0
     per_verified: float | None = None
+    lookup_overhead: float | None = None
 
     def for_lookup(self) -> StepCosts:
         """The costs of a round whose drafts are looked up: each token costs
-        its verification share, and the round the same fixed extra."""
+        its verification share, and the round a lookup round's fixed extra."""
         per_token = self.per_draft if self.per_verified is None else self.per_verified
-        return StepCosts(per_token, self.round_overhead, per_token)
+        overhead = self.round_overhead if self.lookup_overhead is None else self.lookup_overhead
+        return StepCosts(per_token, overhead, per_token)
 
 
 @dataclass
@@ -79,6 +84,43 @@ class DraftPayoff:
         """Per-token acceptance: accepted / (accepted + rejections), smoothed."""
         accepted = self.accepted + prior * prior_weight
         return accepted / (accepted + self.rejections + (1 - prior) * prior_weight)
+
+
+@dataclass
+class AcceptanceRecords:
+    """One kind of draft's acceptance records (a method's self-drafts, or its
+    lookups): each request's, made by its first verified drafts, and the
+    engine's over every request, which is where a new request starts."""
+
+    prior: float  # before the engine has verified any draft of this kind
+    decay: float  # per verified round
+    requests: dict[str, DraftPayoff] = field(default_factory=dict)
+    engine: DraftPayoff = field(default_factory=DraftPayoff)
+
+    def acceptances(self, req_ids: list[str]) -> list[float]:
+        prior = self.engine.acceptance(self.prior)
+        return [self.requests[req_id].acceptance(prior) if req_id in self.requests else prior
+                for req_id in req_ids]
+
+    def budgets(self, req_ids: list[str], costs: StepCosts, max_drafts: int, margin: float,
+                probe: bool) -> tuple[list[int], list[float]]:
+        """Each request's budget this round (`round_budget`) and its acceptance."""
+        acceptances = self.acceptances(req_ids)
+        return ([round_budget(acceptance, costs, max_drafts, margin, probe)
+                 for acceptance in acceptances], acceptances)
+
+    def add_request_round(self, req_id: str, accepted: int, verified: int) -> None:
+        self.requests.setdefault(req_id, DraftPayoff()).update(accepted, verified, self.decay)
+
+    def add_engine_round(self, accepted: int, rejections: int) -> None:
+        """One round's counts summed over the batch."""
+        if accepted or rejections:
+            self.engine.add_round(accepted, rejections, self.decay)
+
+    def forget(self, live_req_ids: set[str]) -> None:
+        """Drop the records of requests vLLM no longer holds."""
+        for req_id in set(self.requests) - live_req_ids:
+            del self.requests[req_id]
 
 
 def expected_tokens(acceptance: float, drafts: int) -> float:
@@ -140,6 +182,8 @@ class RoundClock:
     scheduler's max_num_seqs keys, each a bounded window): plain rounds (the
     previous round verified nothing) and drafted ones (seconds from the start
     of a round that ran k draft steps to the start of the next, which verified
+    them), and rounds that only looked up (seconds from the start of a round
+    whose n drafts were all looked up to the start of the next, which verified
     them). Only steady rounds count: the same requests as the round before and
     no prefill tokens in the forward, so idle gaps and prompts never do. A plain
     time is the median of the plain rounds within `horizon` rounds of the
@@ -151,6 +195,7 @@ class RoundClock:
         self.horizon = horizon
         self.plain: dict[int, deque[tuple[int, float]]] = {}  # (round, seconds)
         self.drafted: dict[int, deque[tuple[int, float]]] = {}  # (steps, seconds)
+        self.looked_up: dict[int, deque[tuple[int, float]]] = {}  # (drafts, seconds)
         self.newest_plain_round = -1
 
     def record_plain(self, batch_size: int, seconds: float, round_index: int) -> None:
@@ -165,6 +210,10 @@ class RoundClock:
 
     def record_drafted(self, batch_size: int, steps: int, seconds: float) -> None:
         self.drafted.setdefault(batch_size, deque(maxlen=self.window)).append((steps, seconds))
+
+    def record_looked_up(self, batch_size: int, drafts: int, seconds: float) -> None:
+        self.looked_up.setdefault(batch_size, deque(maxlen=self.window)).append(
+            (drafts, seconds))
 
     def plain_rounds(self) -> int:
         return sum(len(samples) for samples in self.plain.values())
@@ -186,35 +235,62 @@ class RoundClock:
 
     def _costs_at(self, batch_size: int, prior: StepCosts, min_samples: int) -> StepCosts:
         plain = self.plain_seconds(batch_size)
+        costs = prior
         samples = self.drafted.get(batch_size, ())
-        if len(samples) < min_samples:
-            return prior
-        return fit_round_costs([steps for steps, _ in samples],
-                               [seconds / plain - 1.0 for _, seconds in samples], prior)
+        if len(samples) >= min_samples:
+            costs = fit_round_costs([steps for steps, _ in samples],
+                                    [seconds / plain - 1.0 for _, seconds in samples], prior)
+        samples = self.looked_up.get(batch_size, ())
+        if len(samples) >= min_samples:
+            costs = fit_lookup_costs([drafts for drafts, _ in samples],
+                                     [seconds / plain - 1.0 for _, seconds in samples], costs)
+        return costs
 
     def samples(self) -> dict:
         """The timed rounds per batch size in seconds, for the benchmark."""
-        return {"plain": {b: list(s) for b, s in self.plain.items()},
-                "drafted": {b: list(s) for b, s in self.drafted.items()}}
+        return {kind: {b: list(s) for b, s in rounds.items()}
+                for kind, rounds in (("plain", self.plain), ("drafted", self.drafted),
+                                     ("looked_up", self.looked_up))}
+
+
+def _median_line(counts: list[int], extra: list[float]) -> tuple[float, float] | None:
+    """Slope and intercept of a line through each count's median extra,
+    weighted by how often it came; None with fewer than two counts."""
+    medians = {k: float(np.median([e for c, e in zip(counts, extra) if c == k]))
+               for k in set(counts)}
+    if len(medians) < 2:
+        return None
+    slope, intercept = np.polyfit(list(medians), list(medians.values()), 1,
+                                  w=np.sqrt([counts.count(k) for k in medians]))
+    return float(slope), float(intercept)
 
 
 def fit_round_costs(steps: list[int], extra: list[float], prior: StepCosts) -> StepCosts:
     """F and w from drafted rounds' extra cost over a plain step (in plain
     steps): a line through each draft count's median when rounds drafted at
     least two different counts; otherwise (every round drafted the same k) the
-    prior's w, the rest of the extra being F. A looked-up token's cost is the
-    prior's (lookup rounds are not timed apart)."""
-    medians = {k: float(np.median([e for s, e in zip(steps, extra) if s == k]))
-               for k in set(steps)}
-    if len(medians) >= 2:
-        counts = [steps.count(k) for k in medians]
-        per_draft, overhead = np.polyfit(list(medians), list(medians.values()), 1,
-                                         w=np.sqrt(counts))
-        if per_draft > 0 and overhead >= 0:
-            return StepCosts(float(per_draft), float(overhead), prior.per_verified)
-    k, value = max(medians.items(), key=lambda item: steps.count(item[0]))
+    prior's w, the rest of the extra being F. The lookup costs stay the prior's."""
+    line = _median_line(steps, extra)
+    if line is not None and line[0] > 0 and line[1] >= 0:
+        return dataclasses.replace(prior, per_draft=line[0], round_overhead=line[1])
+    k = max(set(steps), key=steps.count)
+    value = float(np.median([e for s, e in zip(steps, extra) if s == k]))
     per_draft = min(prior.per_draft, max(value, 0.0) / k)
-    return StepCosts(per_draft, max(value - k * per_draft, 0.0), prior.per_verified)
+    return dataclasses.replace(prior, per_draft=per_draft,
+                               round_overhead=max(value - k * per_draft, 0.0))
+
+
+def fit_lookup_costs(drafts: list[int], extra: list[float], costs: StepCosts) -> StepCosts:
+    """A looked-up token's cost and a lookup round's fixed extra from lookup
+    rounds' extra over a plain step: the line through each draft count's
+    median, when lookups of at least two lengths were timed and the line is a
+    cost (it replaces the profiling-mode share, which is in forward time, not
+    the engine's, and is noise where verifying one more token costs little);
+    otherwise `costs` unchanged."""
+    line = _median_line(drafts, extra)
+    if line is None or line[0] < 0:
+        return costs
+    return dataclasses.replace(costs, per_verified=line[0], lookup_overhead=max(line[1], 0.0))
 
 
 def costs_for(costs: dict[int, StepCosts], batch_size: int) -> StepCosts:

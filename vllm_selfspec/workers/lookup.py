@@ -22,7 +22,7 @@ import numpy as np
 # cap (`SelfSpecProposer.lookup_lengths`): long in text that copies long spans,
 # short where a match's continuation soon parts from the target's
 # (docs/results.md). Without it every lookup may run to the cap.
-LOOKUP_DEFAULTS = {"min_match": 3, "max_match": 8, "max_tokens": 12}
+LOOKUP_DEFAULTS = {"min_match": 2, "max_match": 8, "max_tokens": 12}
 
 
 def request_tokens(recorded: np.ndarray, step_tokens: list[int], first_row: int,

@@ -206,8 +206,9 @@ class SelfSpecWorkerExtension:
                 "vocab_tokens": None if vocab is None else len(vocab)}
 
     def selfspec_round_costs(self) -> dict:
-        """The engine's timed rounds (plain and drafted, seconds, per batch
-        size), the profiling-mode prior and the costs the budget uses now."""
+        """The engine's timed rounds (plain, drafted and looked-up, seconds,
+        per batch size), the profiling-mode prior and the costs the budget
+        uses now."""
         drafter = self.model_runner.drafter
         return {**drafter.clock.samples(),
                 "prior": None if drafter.prior_costs is None else vars(drafter.prior_costs),
