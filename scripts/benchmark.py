@@ -427,12 +427,12 @@ def summarize(runs: list[Run], num_layers: int, batch_size: int) -> list[dict]:
                 row["ideal_speedup_S*"] = round(ideal, 3)
                 row["measured_over_S*"] = round(speed / base / ideal, 3)
             shared = run.step_costs["rounds"]["shared"]
-            if shared and run.step_costs["rounds"]["looked_up"]:
+            engine = costs_for({b: StepCosts(**c) for b, c in shared.items()},
+                               batch_size) if shared else None
+            if engine is not None and engine.lookup_overhead is not None:
                 # What the engine's own lookup rounds say a looked-up token costs.
-                lookup = costs_for({b: StepCosts(**c) for b, c in shared.items()},
-                                   batch_size).for_lookup()
-                row["lookup_token_cost"] = round(lookup.per_draft, 3)
-                row["lookup_round_overhead"] = round(lookup.round_overhead, 3)
+                row["lookup_token_cost"] = round(engine.per_verified, 3)
+                row["lookup_round_overhead"] = round(engine.lookup_overhead, 3)
             row["draft_copy_MB"] = round(run.step_costs["draft_copy_bytes"] / 1e6, 1)
             row["draft_copy_share"] = round(run.step_costs["draft_copy_bytes"]
                                             / run.step_costs["model_bytes"], 3)

@@ -311,8 +311,9 @@ def print_table(reports: list[Report]) -> None:
           f"{'p50 s':>6} {'p99 s':>6} {'tok/s':>6} {'accept':>6} {'preempt':>7} "
           f"{'state after':>11} {'tasks':>5}")
     for r in reports:
-        state = max((sum(n for kind, n in rank["requests_with_state"].items()
-                         if kind != "tasks") for rank in r.state_after_run), default=0)
+        state = max((max((n for kind, n in rank["requests_with_state"].items()
+                          if kind != "tasks"), default=0)
+                     for rank in r.state_after_run), default=0)
         tasks = max((rank["requests_with_state"].get("tasks", 0)
                      for rank in r.state_after_run), default=0)
         print(f"{r.name:>14} {r.requests:>8} {r.seconds:>6.0f} "

@@ -159,6 +159,30 @@ def test_feedback_goes_to_the_record_of_the_drafts_verified():
     assert proposer.looked_up == set()
 
 
+def test_rounds_are_timed_as_what_they_ran():
+    """A round whose drafts were all looked up times a lookup round, one that
+    only self-drafted a drafted round, one that did both neither, one that
+    verified nothing a plain step; a forward with prefill tokens, or another
+    batch, times nothing."""
+    from vllm_selfspec.proposers.base import RoundTiming, SelfSpecProposer
+
+    proposer = SelfSpecProposer.__new__(SelfSpecProposer)
+    proposer.start_round_state()
+    batch = ["a", "b"]
+    cases = [  # previous round: steps, looked up; verified now, tokens now
+        (0, True, [3, 2], 7), (2, False, [2, 2], 6), (2, True, [2, 3], 7),
+        (0, False, None, 2), (0, True, [3, 2], 9), (2, False, [2, 2], 6)]
+    for steps, looked_up, verified, num_tokens in cases:
+        proposer._previous_round = RoundTiming(batch, steps, 0.0, 0.001, looked_up)
+        proposer._time_previous_round(batch, verified, num_tokens, 0.01)
+    proposer._previous_round = RoundTiming(["a"], 0, 0.0, 0.001)
+    proposer._time_previous_round(batch, None, 2, 0.01)  # another batch
+    samples = proposer.clock.samples()
+    assert samples["looked_up"] == {2: [(5, 0.01)]}
+    assert samples["drafted"] == {2: [(2, 0.01), (2, 0.01)]}
+    assert [round(seconds, 6) for _, seconds in samples["plain"][2]] == [0.009]
+
+
 def test_lookup_costs_come_from_the_engines_own_lookup_rounds():
     """Lookup rounds timed as 1 + F_l + n v plain steps replace the
     profiling-mode share of a looked-up token (forward time, and noise where
@@ -191,6 +215,8 @@ def test_lookup_costs_come_from_the_engines_own_lookup_rounds():
     assert one_length.costs(prior) == {1: prior}
     assert falling.costs(prior) == {1: prior}
     assert prior.for_lookup() == StepCosts(0.0, 0.2, 0.0)
+    # At batch 4 every request waits through one request's lookup.
+    assert lookup.per_draft * 4 == costs.for_lookup(4).per_draft
 
 
 def test_dear_probes_are_spread_out():

@@ -410,20 +410,20 @@ class SelfSpecProposer(DraftModelProposer):
         if num_rejected_tokens_gpu is None or verified is None:
             return accepted_now
         # The engine's, self-drafts and lookups apart: accepted, rejections.
-        round_counts = {id(self.self_records): [0, 0], id(self.lookup_records): [0, 0]}
+        round_counts = {False: [0, 0], True: [0, 0]}  # by looked_up
         for req_id, accepted, scheduled in verified_feedback(
                 req_ids, verified, num_rejected_tokens_gpu.tolist()):
             accepted_now[req_id] = accepted
             looked_up = req_id in self.looked_up
             records = self.lookup_records if looked_up else self.self_records
             records.add_request_round(req_id, accepted, scheduled)
-            counts = round_counts[id(records)]
+            counts = round_counts[looked_up]
             counts[0] += accepted
             counts[1] += int(accepted < scheduled)
             if not looked_up:
                 self.observe_round(req_id, accepted, scheduled)
-        for records in (self.self_records, self.lookup_records):
-            records.add_engine_round(*round_counts[id(records)])
+        self.self_records.add_engine_round(*round_counts[False])
+        self.lookup_records.add_engine_round(*round_counts[True])
         return accepted_now
 
     def note_lookups(self, req_ids: list[str], looked_up: list[str]) -> None:
@@ -580,7 +580,7 @@ class SelfSpecProposer(DraftModelProposer):
         Without cost-aware drafting, `max_tokens`."""
         if costs is False:
             return [max_tokens] * len(req_ids)
-        lookup_costs = costs.for_lookup()
+        lookup_costs = costs.for_lookup(len(req_ids))
         probe = self.counters.rounds % probe_interval(
             lookup_costs, self.options.probe_every, PROBE_SHARE) == 0
         return self.lookup_records.budgets(req_ids, lookup_costs, max_tokens, MIN_GAIN,

@@ -26,7 +26,10 @@ round's drafting to the next, which is everything a plain vLLM step also pays
 (scheduling, the forward, sampling, output handling) plus what drafting adds.
 Rounds that verified nothing time a plain step; rounds that drafted k tokens
 time 1 + F + k w of them. Until those exist, a profiling-mode estimate of w
-(`StepCosts` from forward timings alone) stands in. Every input of a decision
+(`StepCosts` from forward timings alone) stands in. Lookup drafts run no draft
+step: rounds whose drafts were all looked up time 1 + F_l + n v plain steps for
+n looked-up tokens, which give a looked-up token's cost v and a lookup round's
+fixed extra F_l (`fit_lookup_costs`). Every input of a decision
 is the same on every tensor-parallel rank (the proposer shares rank 0's
 costs), so every rank decides the same.
 """
@@ -56,12 +59,14 @@ class StepCosts:
     per_verified: float | None = None
     lookup_overhead: float | None = None
 
-    def for_lookup(self) -> StepCosts:
-        """The costs of a round whose drafts are looked up: each token costs
-        its verification share, and the round a lookup round's fixed extra."""
+    def for_lookup(self, batch_size: int = 1) -> StepCosts:
+        """One request's lookup costs, in its own plain steps: each token costs
+        its verification share, and the round a lookup round's fixed extra. At
+        batch B these are in plain steps of the batch, which all B requests
+        wait through, so one request's lookup pays only for B times them."""
         per_token = self.per_draft if self.per_verified is None else self.per_verified
         overhead = self.round_overhead if self.lookup_overhead is None else self.lookup_overhead
-        return StepCosts(per_token, overhead, per_token)
+        return StepCosts(per_token * batch_size, overhead * batch_size, per_token * batch_size)
 
 
 @dataclass
@@ -228,8 +233,8 @@ class RoundClock:
                                  if newest - round_index < self.horizon)
 
     def costs(self, prior: StepCosts, min_samples: int = 3) -> dict[int, StepCosts]:
-        """Costs per batch size with a plain time; the profiling-mode `prior`
-        where too few drafted rounds were timed."""
+        """Costs per batch size with a plain time; the profiling-mode `prior`'s
+        where too few drafted (or looked-up) rounds were timed."""
         return {batch_size: self._costs_at(batch_size, prior, min_samples)
                 for batch_size in self.plain}
 
@@ -288,9 +293,9 @@ def fit_lookup_costs(drafts: list[int], extra: list[float], costs: StepCosts) ->
     the engine's, and is noise where verifying one more token costs little);
     otherwise `costs` unchanged."""
     line = _median_line(drafts, extra)
-    if line is None or line[0] < 0:
+    if line is None or line[0] <= 0 or line[1] < 0:
         return costs
-    return dataclasses.replace(costs, per_verified=line[0], lookup_overhead=max(line[1], 0.0))
+    return dataclasses.replace(costs, per_verified=line[0], lookup_overhead=line[1])
 
 
 def costs_for(costs: dict[int, StepCosts], batch_size: int) -> StepCosts:
