@@ -258,11 +258,16 @@ class RoundClock:
                                      ("looked_up", self.looked_up))}
 
 
+def _medians(counts: list[int], extra: list[float]) -> dict[int, float]:
+    """Each count's median extra."""
+    return {k: float(np.median([e for c, e in zip(counts, extra) if c == k]))
+            for k in set(counts)}
+
+
 def _median_line(counts: list[int], extra: list[float]) -> tuple[float, float] | None:
     """Slope and intercept of a line through each count's median extra,
     weighted by how often it came; None with fewer than two counts."""
-    medians = {k: float(np.median([e for c, e in zip(counts, extra) if c == k]))
-               for k in set(counts)}
+    medians = _medians(counts, extra)
     if len(medians) < 2:
         return None
     slope, intercept = np.polyfit(list(medians), list(medians.values()), 1,
@@ -278,8 +283,7 @@ def fit_round_costs(steps: list[int], extra: list[float], prior: StepCosts) -> S
     line = _median_line(steps, extra)
     if line is not None and line[0] > 0 and line[1] >= 0:
         return dataclasses.replace(prior, per_draft=line[0], round_overhead=line[1])
-    k = max(set(steps), key=steps.count)
-    value = float(np.median([e for s, e in zip(steps, extra) if s == k]))
+    k, value = max(_medians(steps, extra).items(), key=lambda item: steps.count(item[0]))
     per_draft = min(prior.per_draft, max(value, 0.0) / k)
     return dataclasses.replace(prior, per_draft=per_draft,
                                round_overhead=max(value - k * per_draft, 0.0))
