@@ -100,8 +100,8 @@ def test_lookup_length_follows_the_requests_own_lookups():
     cost-aware drafting every lookup may run to the cap."""
     from types import SimpleNamespace
 
-    from vllm_selfspec.proposers.base import SelfSpecProposer
-    from vllm_selfspec.workers.draft_payoff import StepCosts
+    from vllm_selfspec.proposers.base import ENGINE_PAYOFF_DECAY, SelfSpecProposer
+    from vllm_selfspec.workers.draft_payoff import DraftPayoff, StepCosts
 
     proposer = SelfSpecProposer.__new__(SelfSpecProposer)
     proposer.start_round_state()
@@ -122,13 +122,25 @@ def test_lookup_length_follows_the_requests_own_lookups():
     # lookups accepted here), not from the self-draft's or a fixed prior.
     assert first[0] < fresh < copy
     assert proposer.lookup_records.engine.accepted > 0
-    # The engine's self-draft record is "self"'s alone: the lookups stayed out.
-    assert proposer.self_records.engine == proposer.self_records.requests["self"]
+    # The engine's self-draft record is "self"'s alone (one accepted, one
+    # rejection a round): the lookups stayed out.
+    self_only = DraftPayoff()
+    for _ in range(8):
+        self_only.add_round(1, 1, ENGINE_PAYOFF_DECAY)
+    assert proposer.self_records.engine == self_only
     # Probe rounds are the lookup's own (F + a looked-up token: every 34th
-    # round here, where a self-draft probe would come every 110th).
-    for rounds, length in ((0, 1), (34, 1), (35, 0), (110, 0)):
+    # round here, where a self-draft probe would come every 110th), for a
+    # record whose last lookups were verified in the round before.
+    chat = proposer.lookup_records.requests["chat"]
+    for rounds, length in ((34, 1), (35, 0), (68, 1)):
+        chat.last_round = rounds - 1
         proposer.counters.rounds = rounds
         assert proposer.lookup_lengths(["chat"], costs, 12) == [length], rounds
+    # Long after its last lookups, "chat" tries again where the engine's record stands.
+    chat.last_round = 35
+    proposer.counters.rounds = 235
+    assert (proposer.lookup_lengths(["chat"], costs, 12)
+            == proposer.lookup_lengths(["new"], costs, 12) != [0])
     assert set(proposer.self_records.requests) == {"self"}  # lookups stay out of it
     assert proposer.per_request_state() == {"self_records": 1, "lookup_records": 2,
                                             "looked_up": 2}

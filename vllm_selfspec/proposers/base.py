@@ -61,11 +61,17 @@ from vllm_selfspec.workers.draft_weights import DraftWeights
 
 # Cost-aware drafting: the per-token acceptance assumed before the engine has
 # verified any draft (afterwards a new request starts from the engine's own
-# record of its drafts), the decay of a record per verified round, and the
+# record of its drafts), the decay of a request's record per verified round,
+# of the engine's (the long run), and of a request's per round it drafts
+# nothing (so it drifts back to the engine's record and tries again), and the
 # gain over plain decoding a budget must promise (a margin for the error of
-# the cost and acceptance estimates).
+# the cost and acceptance estimates). The decays were chosen by simulating
+# requests of known acceptance against the costs measured here
+# (docs/design.md, "Acceptance records").
 PRIOR_ACCEPTANCE = 0.6
-PAYOFF_DECAY = 0.8
+PAYOFF_DECAY = 0.9
+ENGINE_PAYOFF_DECAY = 0.98
+IDLE_DECAY = 0.95
 MIN_GAIN = 0.05
 PROBE_SHARE = 0.01  # of decoding time, at most, spent on probes that find nothing
 # Measured costs are shared from tensor-parallel rank 0 every SHARE_EVERY
@@ -157,8 +163,10 @@ class SelfSpecProposer(DraftModelProposer):
         self.counters = DraftCounters()
         # Acceptance records for cost_aware; a lookup draft says nothing of
         # the self-draft, and the other way round.
-        self.self_records = AcceptanceRecords(PRIOR_ACCEPTANCE, PAYOFF_DECAY)
-        self.lookup_records = AcceptanceRecords(PRIOR_ACCEPTANCE, PAYOFF_DECAY)
+        self.self_records = AcceptanceRecords(PRIOR_ACCEPTANCE, PAYOFF_DECAY,
+                                              ENGINE_PAYOFF_DECAY, IDLE_DECAY)
+        self.lookup_records = AcceptanceRecords(PRIOR_ACCEPTANCE, PAYOFF_DECAY,
+                                                ENGINE_PAYOFF_DECAY, IDLE_DECAY)
         # Requests whose newest drafts were looked up. A request vLLM leaves
         # out of a step keeps its drafts and their source until it is verified.
         self.looked_up: set[str] = set()
@@ -416,7 +424,7 @@ class SelfSpecProposer(DraftModelProposer):
             accepted_now[req_id] = accepted
             looked_up = req_id in self.looked_up
             records = self.lookup_records if looked_up else self.self_records
-            records.add_request_round(req_id, accepted, scheduled)
+            records.add_request_round(req_id, accepted, scheduled, self.counters.rounds)
             counts = round_counts[looked_up]
             counts[0] += accepted
             counts[1] += int(accepted < scheduled)
@@ -466,7 +474,7 @@ class SelfSpecProposer(DraftModelProposer):
             interval = probe_interval(costs, self.options.probe_every, PROBE_SHARE)
             probe = rounds % interval == 0
             budgets, acceptances = self.self_records.budgets(
-                req_ids, costs, num_speculative_tokens, MIN_GAIN, probe)
+                req_ids, costs, num_speculative_tokens, MIN_GAIN, probe, rounds)
             budgets = [b if row_drafts else 0 for b, row_drafts in zip(budgets, may_draft)]
             may_draft = [b > 0 for b in budgets]
             steps = batch_steps(acceptances, budgets, costs, len(req_ids), MIN_GAIN)
@@ -474,7 +482,8 @@ class SelfSpecProposer(DraftModelProposer):
                 steps = max(steps, 1)  # idle requests probe even where the batch would not
             if steps == 0 and all_may_draft and self.shared_costs and rounds % SHARE_EVERY:
                 # Until the next probe or cost update, the same requests without
-                # feedback decide the same: `_repeat_decline` may say it again.
+                # feedback decline again (`_repeat_decline`); only their records'
+                # idle forgetting moves meanwhile, so a retry waits for that round.
                 self._quiet_until = min((rounds // interval + 1) * interval,
                                         (rounds // SHARE_EVERY + 1) * SHARE_EVERY)
         if steps == 0 or not any(may_draft):
@@ -584,7 +593,7 @@ class SelfSpecProposer(DraftModelProposer):
         probe = self.counters.rounds % probe_interval(
             lookup_costs, self.options.probe_every, PROBE_SHARE) == 0
         return self.lookup_records.budgets(req_ids, lookup_costs, max_tokens, MIN_GAIN,
-                                           probe)[0]
+                                           probe, self.counters.rounds)[0]
 
     # --- cost-aware drafting -------------------------------------------------
     def round_costs(self, batch_size: int, max_drafts: int) -> StepCosts | None:

@@ -15,11 +15,18 @@ cost (`batch_steps`); at batch 1 that is the request's own budget.
 `a` is the request's own: decayed counts of accepted drafts and of rounds that
 ended in a rejection, a / (1 - a) being accepted drafts per rejection, with a
 prior worth two rounds: the engine's record over every request's self-drafts
-(the same counts), so a new request starts where this draft stands. A request whose budget is 0 drafts nothing, which also
-means its estimate stops moving; on every `probe_every`-th round of the engine
-it drafts one token anyway, so it starts again when its text turns
-predictable. Probes share the engine's round clock, so all idle requests
-probe in the same round and one draft forward serves them all.
+(the same counts, decayed more slowly: the long run), so a new request starts
+where this draft stands. A request whose budget is 0 drafts nothing, so its
+own counts stop moving; a few rejections in a row (the counts' noise, not the
+text) would then keep it from drafting for the rest of its output. So a
+record also forgets in the engine rounds its request drafts nothing in
+(`idle_decay` per round): a request that stopped drafting drifts back to the engine's record
+and tries again, at the budget that record is worth, and stops again if its
+text still rejects. On every `probe_every`-th round of the engine a request
+whose budget is 0 drafts one token anyway, so even where the engine's record
+says no, it starts again when its text turns predictable. Probes share the
+engine's round clock, so all idle requests probe in the same round and one
+draft forward serves them all.
 
 F and w come from the engine's own rounds (`RoundClock`): wall time from one
 round's drafting to the next, which is everything a plain vLLM step also pays
@@ -75,9 +82,22 @@ class DraftPayoff:
 
     accepted: float = 0.0
     rejections: float = 0.0
+    last_round: int = 0  # the engine round it last drafted in
 
     def update(self, accepted: int, verified: int, decay: float) -> None:
         self.add_round(accepted, 1 if accepted < verified else 0, decay)
+
+    def idle_factor(self, now: int, idle_decay: float) -> float:
+        """What is left of it at round `now`: `idle_decay` per round since the
+        round that verified its last drafts."""
+        return idle_decay ** max(now - 1 - self.last_round, 0)
+
+    def forget_idle(self, now: int, idle_decay: float) -> None:
+        """Make the idle rounds' forgetting final: it drafts in round `now`."""
+        factor = self.idle_factor(now, idle_decay)
+        self.accepted *= factor
+        self.rejections *= factor
+        self.last_round = now
 
     def add_round(self, accepted: int, rejections: int, decay: float) -> None:
         """One round's accepted drafts and rejections (over one request, or
@@ -85,10 +105,11 @@ class DraftPayoff:
         self.accepted = decay * self.accepted + accepted
         self.rejections = decay * self.rejections + rejections
 
-    def acceptance(self, prior: float, prior_weight: float = 2.0) -> float:
-        """Per-token acceptance: accepted / (accepted + rejections), smoothed."""
-        accepted = self.accepted + prior * prior_weight
-        return accepted / (accepted + self.rejections + (1 - prior) * prior_weight)
+    def acceptance(self, prior: float, prior_weight: float = 2.0, factor: float = 1.0) -> float:
+        """Per-token acceptance: accepted / (accepted + rejections), smoothed;
+        `factor` of the counts (what idle rounds left of them)."""
+        accepted = factor * self.accepted + prior * prior_weight
+        return accepted / (accepted + factor * self.rejections + (1 - prior) * prior_weight)
 
 
 @dataclass
@@ -98,29 +119,40 @@ class AcceptanceRecords:
     engine's over every request, which is where a new request starts."""
 
     prior: float  # before the engine has verified any draft of this kind
-    decay: float  # per verified round
+    decay: float  # a request's record, per round it took feedback in
+    engine_decay: float  # the engine's record, per round with feedback
+    idle_decay: float  # a request's record, per engine round it drafts nothing in
     requests: dict[str, DraftPayoff] = field(default_factory=dict)
     engine: DraftPayoff = field(default_factory=DraftPayoff)
 
-    def acceptances(self, req_ids: list[str]) -> list[float]:
+    def acceptances(self, req_ids: list[str], now: int) -> list[float]:
+        """Each request's acceptance at engine round `now`."""
         prior = self.engine.acceptance(self.prior)
-        return [self.requests[req_id].acceptance(prior) if req_id in self.requests else prior
-                for req_id in req_ids]
+        return [self.requests[req_id].acceptance(
+                    prior, factor=self.requests[req_id].idle_factor(now, self.idle_decay))
+                if req_id in self.requests else prior for req_id in req_ids]
 
     def budgets(self, req_ids: list[str], costs: StepCosts, max_drafts: int, margin: float,
-                probe: bool) -> tuple[list[int], list[float]]:
-        """Each request's budget this round (`round_budget`) and its acceptance."""
-        acceptances = self.acceptances(req_ids)
-        return ([round_budget(acceptance, costs, max_drafts, margin, probe)
-                 for acceptance in acceptances], acceptances)
+                probe: bool, now: int) -> tuple[list[int], list[float]]:
+        """Each request's budget this round (`round_budget`) and its acceptance.
+        A request given a budget drafts from the record as it stands now."""
+        acceptances = self.acceptances(req_ids, now)
+        budgets = [round_budget(acceptance, costs, max_drafts, margin, probe)
+                   for acceptance in acceptances]
+        for req_id, budget in zip(req_ids, budgets):
+            if budget and req_id in self.requests:
+                self.requests[req_id].forget_idle(now, self.idle_decay)
+        return budgets, acceptances
 
-    def add_request_round(self, req_id: str, accepted: int, verified: int) -> None:
-        self.requests.setdefault(req_id, DraftPayoff()).update(accepted, verified, self.decay)
+    def add_request_round(self, req_id: str, accepted: int, verified: int, now: int) -> None:
+        """Feedback on the drafts a request made in round `now` - 1."""
+        self.requests.setdefault(req_id, DraftPayoff(last_round=now - 1)).update(
+            accepted, verified, self.decay)
 
     def add_engine_round(self, accepted: int, rejections: int) -> None:
         """One round's counts summed over the batch."""
         if accepted or rejections:
-            self.engine.add_round(accepted, rejections, self.decay)
+            self.engine.add_round(accepted, rejections, self.engine_decay)
 
     def forget(self, live_req_ids: set[str]) -> None:
         """Drop the records of requests vLLM no longer holds."""
