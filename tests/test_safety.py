@@ -92,6 +92,37 @@ def test_draft_budget_declines_when_drafting_loses_and_probes_again():
     assert round_budget(payoff.acceptance(0.6), cheap, 8, 0.05, probe=False) >= 4
 
 
+def test_a_request_stopped_by_a_few_rejections_tries_again():
+    """Two rejections in a row are the counts' noise as often as the text: a
+    request's record forgets in the rounds it drafts nothing, so it drifts
+    back to the engine's record and drafts again (not only on probes), while
+    where the engine's own record says no, nobody drafts off probes."""
+    from vllm_selfspec.proposers.base import ENGINE_PAYOFF_DECAY, IDLE_DECAY, PAYOFF_DECAY
+    from vllm_selfspec.workers.draft_payoff import AcceptanceRecords, StepCosts
+
+    costs = StepCosts(per_draft=0.6)
+    good = AcceptanceRecords(0.6, PAYOFF_DECAY, ENGINE_PAYOFF_DECAY, IDLE_DECAY)
+    for _ in range(40):  # the engine's self-drafts: 9 in 10 accepted
+        good.add_engine_round(9, 1)
+    assert good.budgets(["new"], costs, 12, 0.05, False, 41)[0] != [0]
+    good.add_request_round("unlucky", 0, 3, 41)  # drafted in round 40, all rejected
+    good.add_request_round("unlucky", 0, 2, 42)  # and in round 41
+
+    def first_draft(records: AcceptanceRecords, rounds: range) -> int | None:
+        return next((now for now in rounds
+                     if records.budgets(["unlucky"], costs, 12, 0.05, False, now)[0][0]),
+                    None)
+
+    retry = first_draft(good, range(42, 200))
+    assert retry is not None and 45 < retry < 42 + 60  # before its next probe
+    assert good.requests["unlucky"].last_round == retry  # it drafts from here
+    bad = AcceptanceRecords(0.6, PAYOFF_DECAY, ENGINE_PAYOFF_DECAY, IDLE_DECAY)
+    for _ in range(40):  # the engine's self-drafts: 1 in 10 accepted
+        bad.add_engine_round(1, 1)
+    bad.add_request_round("unlucky", 0, 2, 42)
+    assert first_draft(bad, range(42, 1000)) is None
+
+
 def test_lookup_length_follows_the_requests_own_lookups():
     """A looked-up token costs only its verification: a request whose lookups
     keep being accepted looks up to the cap, one whose lookups part from the

@@ -327,8 +327,9 @@ class SelfSpecProposer(DraftModelProposer):
     def _repeat_decline(self, num_tokens: int) -> bool:
         """Decline again without deciding, in a round `_decide` showed must
         decline as the one before did: the same requests, each decoding one
-        token, nothing verified (so no request's record moved), and before the
-        next probe or cost update. Deciding touches a few hundred Python
+        token, nothing verified (so only the records' idle forgetting moved,
+        whose retry waits for the next decision), and before the next probe or
+        cost update. Deciding touches a few hundred Python
         objects, each a cache miss after the forward streamed the weights
         (~0.1 ms on the CPU); this touches a few."""
         previous = self._previous_round
