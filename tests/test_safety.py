@@ -160,18 +160,12 @@ def test_lookup_length_follows_the_requests_own_lookups():
         self_only.add_round(1, 1, ENGINE_PAYOFF_DECAY)
     assert proposer.self_records.engine == self_only
     # Probe rounds are the lookup's own (F + a looked-up token: every 34th
-    # round here, where a self-draft probe would come every 110th), for a
-    # record whose last lookups were verified in the round before.
-    chat = proposer.lookup_records.requests["chat"]
-    for rounds, length in ((34, 1), (35, 0), (68, 1)):
-        chat.last_round = rounds - 1
+    # round here, where a self-draft probe would come every 110th); lookup
+    # records do not forget idle rounds (LOOKUP_PAYOFF_DECAY), so only probes
+    # bring "chat" back.
+    for rounds, length in ((0, 1), (34, 1), (35, 0), (110, 0), (235, 0)):
         proposer.counters.rounds = rounds
         assert proposer.lookup_lengths(["chat"], costs, 12) == [length], rounds
-    # Long after its last lookups, "chat" tries again where the engine's record stands.
-    chat.last_round = 35
-    proposer.counters.rounds = 235
-    assert (proposer.lookup_lengths(["chat"], costs, 12)
-            == proposer.lookup_lengths(["new"], costs, 12) != [0])
     assert set(proposer.self_records.requests) == {"self"}  # lookups stay out of it
     assert proposer.per_request_state() == {"self_records": 1, "lookup_records": 2,
                                             "looked_up": 2}

@@ -72,6 +72,10 @@ PRIOR_ACCEPTANCE = 0.6
 PAYOFF_DECAY = 0.9
 ENGINE_PAYOFF_DECAY = 0.98
 IDLE_DECAY = 0.95
+# Lookup records keep the earlier decays (0.8 per verified round, the engine's
+# too, no idle forgetting): with the ones above, SmolLM2's copy-heavy set ran
+# 1.76x instead of 2.08x in an A/B of the same hour (docs/results.md).
+LOOKUP_PAYOFF_DECAY = 0.8
 MIN_GAIN = 0.05
 PROBE_SHARE = 0.01  # of decoding time, at most, spent on probes that find nothing
 # Measured costs are shared from tensor-parallel rank 0 every SHARE_EVERY
@@ -165,8 +169,8 @@ class SelfSpecProposer(DraftModelProposer):
         # the self-draft, and the other way round.
         self.self_records = AcceptanceRecords(PRIOR_ACCEPTANCE, PAYOFF_DECAY,
                                               ENGINE_PAYOFF_DECAY, IDLE_DECAY)
-        self.lookup_records = AcceptanceRecords(PRIOR_ACCEPTANCE, PAYOFF_DECAY,
-                                                ENGINE_PAYOFF_DECAY, IDLE_DECAY)
+        self.lookup_records = AcceptanceRecords(PRIOR_ACCEPTANCE, LOOKUP_PAYOFF_DECAY,
+                                                LOOKUP_PAYOFF_DECAY, idle_decay=1.0)
         # Requests whose newest drafts were looked up. A request vLLM leaves
         # out of a step keeps its drafts and their source until it is verified.
         self.looked_up: set[str] = set()

@@ -14,18 +14,19 @@ cost (`batch_steps`); at batch 1 that is the request's own budget.
 
 `a` is the request's own: decayed counts of accepted drafts and of rounds that
 ended in a rejection, a / (1 - a) being accepted drafts per rejection, with a
-prior worth two rounds: the engine's record over every request's self-drafts
-(the same counts, decayed more slowly: the long run), so a new request starts
-where this draft stands. A request whose budget is 0 drafts nothing, so its
-own counts stop moving; a few rejections in a row (the counts' noise, not the
-text) would then keep it from drafting for the rest of its output. So a
-record also forgets in the engine rounds its request drafts nothing in
-(`idle_decay` per round): a request that stopped drafting drifts back to the engine's record
-and tries again, at the budget that record is worth, and stops again if its
-text still rejects. On every `probe_every`-th round of the engine a request
-whose budget is 0 drafts one token anyway, so even where the engine's record
-says no, it starts again when its text turns predictable. Probes share the
-engine's round clock, so all idle requests probe in the same round and one
+prior worth two rounds: the engine's record over every request's drafts of
+that kind (the same counts, possibly decayed more slowly: the long run), so a
+new request starts where this draft stands. A request whose budget is 0 drafts
+nothing, so its own counts stop moving; a few rejections in a row (the counts'
+noise, not the text) would then keep it from drafting for the rest of its
+output. So a record may also forget in the engine rounds its request drafts
+nothing in (`idle_decay` per round): a request that stopped drafting drifts
+back to the engine's record and tries again, at the budget that record is
+worth, and stops again if its text still rejects (the proposer does this for
+self-drafts, not for lookups). On every `probe_every`-th round of the engine a
+request whose budget is 0 drafts one token anyway, so even where the engine's
+record says no, it starts again when its text turns predictable. Probes share
+the engine's round clock, so all idle requests probe in the same round and one
 draft forward serves them all.
 
 F and w come from the engine's own rounds (`RoundClock`): wall time from one
