@@ -64,6 +64,11 @@ def accepted_drafts(chances: list[float], position: int, drafts: int,
     return accepted
 
 
+def round_cost(costs: StepCosts, drafts: int) -> float:
+    """A round's plain steps: 1 without drafts, 1 + F + k w with k."""
+    return 1.0 + (costs.round_overhead + drafts * costs.per_draft if drafts else 0.0)
+
+
 def simulate(texts: list[list[float]], costs: StepCosts, setting: tuple[float, float, float],
              seed: int) -> tuple[float, float]:
     """Tokens per plain step and the share of rounds that drafted nothing."""
@@ -79,15 +84,14 @@ def simulate(texts: list[list[float]], costs: StepCosts, setting: tuple[float, f
             rounds += 1
             budget = records.budgets([req_id], costs, MAX_DRAFTS, MIN_GAIN,
                                      rounds % interval == 0, rounds)[0][0]
-            if budget == 0:
-                declined += 1
-                steps, tokens, position = steps + 1, tokens + 1, position + 1
-                continue
             accepted = accepted_drafts(chances, position, budget, rng)
-            # Feedback comes in the next round, as in the engine.
-            records.add_request_round(req_id, accepted, budget, rounds + 1)
-            records.add_engine_round(accepted, int(accepted < budget))
-            steps += 1 + costs.round_overhead + budget * costs.per_draft
+            if budget:
+                # Feedback comes in the next round, as in the engine.
+                records.add_request_round(req_id, accepted, budget, rounds + 1)
+                records.add_engine_round(accepted, int(accepted < budget))
+            else:
+                declined += 1
+            steps += round_cost(costs, budget)
             tokens += accepted + 1
             position += accepted + 1
         records.forget(set())
@@ -103,7 +107,7 @@ def oracle(texts: list[list[float]], costs: StepCosts, seed: int) -> float:
         while position < len(chances):
             budget = best_budget(chances[position], costs, MAX_DRAFTS, 0.0)
             accepted = accepted_drafts(chances, position, budget, rng)
-            steps += 1 + costs.round_overhead + budget * costs.per_draft
+            steps += round_cost(costs, budget)
             tokens += accepted + 1
             position += accepted + 1
     return tokens / steps

@@ -129,9 +129,10 @@ class AcceptanceRecords:
     def acceptances(self, req_ids: list[str], now: int) -> list[float]:
         """Each request's acceptance at engine round `now`."""
         prior = self.engine.acceptance(self.prior)
-        return [self.requests[req_id].acceptance(
-                    prior, factor=self.requests[req_id].idle_factor(now, self.idle_decay))
-                if req_id in self.requests else prior for req_id in req_ids]
+        records = [self.requests.get(req_id) for req_id in req_ids]
+        return [prior if record is None
+                else record.acceptance(prior, factor=record.idle_factor(now, self.idle_decay))
+                for record in records]
 
     def budgets(self, req_ids: list[str], costs: StepCosts, max_drafts: int, margin: float,
                 probe: bool, now: int) -> tuple[list[int], list[float]]:
