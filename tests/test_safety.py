@@ -251,6 +251,17 @@ def test_lookup_costs_come_from_the_engines_own_lookup_rounds():
         falling.record_looked_up(1, 2 + i, plain_s * (1.5 - 0.05 * i))
     assert one_length.costs(prior) == {1: prior}
     assert falling.costs(prior) == {1: prior}
+    # Short lookups as cheap as a plain round (the free line's intercept is
+    # negative, as in every engine measured): no fixed extra, and the slope of
+    # the line through the origin, sum(x y) / sum(x x) over the lengths.
+    free_short = RoundClock()
+    for i in range(6):
+        free_short.record_plain(1, plain_s, round_index=i)
+        for drafts in (2, 7, 12):
+            free_short.record_looked_up(1, drafts, plain_s * (1 + 0.065 * drafts - 0.08))
+    free_costs = free_short.costs(prior)[1]
+    assert free_costs.lookup_overhead == 0.0
+    assert abs(free_costs.per_verified - (0.065 - 0.08 * 21 / 197)) < 1e-6
     assert prior.for_lookup() == StepCosts(0.0, 0.2, 0.0)
     # At batch 4 every request waits through one request's lookup.
     assert lookup.per_draft * 4 == costs.for_lookup(4).per_draft
@@ -312,6 +323,13 @@ def test_round_clock_fits_fixed_and_per_draft_costs_from_steady_rounds():
     cheap_prior = StepCosts(per_draft=0.2)
     costs = single.costs(cheap_prior)[2]
     assert costs.per_draft == 0.2 and abs(costs.round_overhead - 0.5) < 1e-9
+    convex = RoundClock()  # F too small to time: the fit keeps F >= 0 and refits w
+    for i in range(5):
+        convex.record_plain(1, plain_s, round_index=i)
+        for steps in (1, 3):
+            convex.record_drafted(1, steps, plain_s * (1 + 0.6 * steps - 0.2))
+    costs = convex.costs(prior)[1]
+    assert costs.round_overhead == 0.0 and abs(costs.per_draft - (0.6 - 0.2 * 4 / 10)) < 1e-6
     few = RoundClock()
     few.record_plain(1, plain_s, round_index=0)
     few.record_drafted(1, 4, plain_s * 3)

@@ -47,8 +47,8 @@ def cpu_flags() -> list[str]:
     """The CPU features that decide bf16 and int8 speed (AVX2, AVX-512, VNNI, AMX)."""
     cpuinfo = Path("/proc/cpuinfo")
     flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8",
-              "amx_tile")
+    wanted = ("avx2", "avx_vnni", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
+              "amx_int8", "amx_tile")
     return [flag for flag in wanted if flag in flags]
 
 

@@ -299,23 +299,29 @@ def _medians(counts: list[int], extra: list[float]) -> dict[int, float]:
 
 
 def _median_line(counts: list[int], extra: list[float]) -> tuple[float, float] | None:
-    """Slope and intercept of a line through each count's median extra,
-    weighted by how often it came; None with fewer than two counts."""
+    """Slope and intercept of the least-squares line through each count's
+    median extra, weighted by how often it came, with the intercept a cost
+    (>= 0): where the free line's is negative (a round's fixed extra too small
+    to time, the per-token cost growing with the count), the line through the
+    origin. None with fewer than two counts."""
     medians = _medians(counts, extra)
     if len(medians) < 2:
         return None
-    slope, intercept = np.polyfit(list(medians), list(medians.values()), 1,
-                                  w=np.sqrt([counts.count(k) for k in medians]))
+    x, y = np.array(list(medians), dtype=float), np.array(list(medians.values()))
+    weights = np.array([counts.count(k) for k in medians], dtype=float)
+    slope, intercept = np.polyfit(x, y, 1, w=np.sqrt(weights))
+    if intercept < 0:
+        slope, intercept = (weights * x * y).sum() / (weights * x * x).sum(), 0.0
     return float(slope), float(intercept)
 
 
 def fit_round_costs(steps: list[int], extra: list[float], prior: StepCosts) -> StepCosts:
     """F and w from drafted rounds' extra cost over a plain step (in plain
     steps): a line through each draft count's median when rounds drafted at
-    least two different counts; otherwise (every round drafted the same k) the
-    prior's w, the rest of the extra being F. The lookup costs stay the prior's."""
+    least two different counts and it rises; otherwise (every round drafted
+    the same k) the prior's w, the rest of the extra being F. The lookup costs stay the prior's."""
     line = _median_line(steps, extra)
-    if line is not None and line[0] > 0 and line[1] >= 0:
+    if line is not None and line[0] > 0:
         return dataclasses.replace(prior, per_draft=line[0], round_overhead=line[1])
     k, value = max(_medians(steps, extra).items(), key=lambda item: steps.count(item[0]))
     per_draft = min(prior.per_draft, max(value, 0.0) / k)
@@ -331,7 +337,7 @@ def fit_lookup_costs(drafts: list[int], extra: list[float], costs: StepCosts) ->
     the engine's, and is noise where verifying one more token costs little);
     otherwise `costs` unchanged."""
     line = _median_line(drafts, extra)
-    if line is None or line[0] <= 0 or line[1] < 0:
+    if line is None or line[0] <= 0:
         return costs
     return dataclasses.replace(costs, per_verified=line[0], lookup_overhead=line[1])
 
