@@ -319,7 +319,8 @@ def fit_round_costs(steps: list[int], extra: list[float], prior: StepCosts) -> S
     """F and w from drafted rounds' extra cost over a plain step (in plain
     steps): a line through each draft count's median when rounds drafted at
     least two different counts and it rises; otherwise (every round drafted
-    the same k) the prior's w, the rest of the extra being F. The lookup costs stay the prior's."""
+    the same k, or the line falls) the prior's w, the rest of the extra being
+    F. The lookup costs stay the prior's."""
     line = _median_line(steps, extra)
     if line is not None and line[0] > 0:
         return dataclasses.replace(prior, per_draft=line[0], round_overhead=line[1])

@@ -20,10 +20,12 @@ Kernels come from vLLM's selectors, so the platform picks them: on the CPU,
 `init_int8_linear_kernel` gives the W8A8 sgl kernel where AMX and the shape
 allow, oneDNN otherwise; on CUDA, CUTLASS. int4 (W4A16, symmetric, groups of
 64 inputs) goes through `choose_mp_linear_kernel`: `cpu_gemm_wna16` on the CPU,
-Marlin and friends on CUDA; the head then stays int8. One fallback: on an x86
-CPU without VNNI or AMX, vLLM's oneDNN int8 path has no fast kernel (3.0x the
-time of a float32 pass over SmolLM2's linears on an AVX2 machine), so int8
-copies run PyTorch's weight-only int8 kernel there (`WeightOnlyInt8Kernel`).
+Marlin and friends on CUDA; the head then stays int8. Two CPU fallbacks: on
+an x86 CPU without VNNI or AMX, vLLM's oneDNN int8 path has no fast kernel
+(3.5x the time of a float32 pass over SmolLM2's linears on an AVX2 machine),
+so int8 copies run PyTorch's weight-only int8 kernel there
+(`WeightOnlyInt8Kernel`); where the vLLM build has no `cpu_gemm_wna16`, int4
+copies run PyTorch's int4 kernel (`WeightOnlyInt4Kernel`).
 """
 
 from __future__ import annotations
@@ -103,9 +105,10 @@ class WeightOnlyInt8Kernel:
     """y = x W^T through PyTorch's `aten._weight_int8pack_mm`: int8 weights,
     bf16 activations and per-channel scales (W8A16), for x86 CPUs on which
     vLLM's W8A8 oneDNN path has no fast kernel (no VNNI, no AMX). Measured on a
-    2-core AVX2 CPU over SmolLM2's linears and LM head, one thread: 0.49x the
-    time of the float32 pass, where vLLM's int8 kernel took 3.0x. The same
-    calls as vLLM's kernels, so `Int8Linear` runs either."""
+    2-core AVX2 CPU over SmolLM2's linears and LM head, one thread: 0.63x the
+    time of the float32 pass, where vLLM's int8 kernel took 3.5x
+    (scripts/bench_linear_kernels.py). The same calls as vLLM's kernels, so
+    `Int8Linear` runs either."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.weight_scale = nn.Parameter(
