@@ -93,7 +93,7 @@ def main() -> None:
                for name in tqdm(args.methods.split(","), desc="engines", file=CONSOLE)}
     labels = ["step_ms", *RUNNER_PIECES, *(f"drafter.{name}" for name in DRAFTER_PIECES),
               "engine_core_and_messages"]
-    print(f"{args.model} {args.dtype}, batch 1, ms per step (CPU flags: {cpu_flags()})")
+    print(f"{args.model} {args.dtype}, batch 1, ms per step (CPU flags: {' '.join(cpu_flags())})")
     print(f"{'piece':26}" + "".join(f"{name:>14}" for name in results))
     for label in labels:
         values = [r["step_ms"] if label == "step_ms" else r["pieces_ms"].get(label)

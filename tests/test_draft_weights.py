@@ -104,7 +104,7 @@ def test_int8_falls_back_only_where_vllms_kernel_has_no_fast_path(monkeypatch, f
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the fallback rule is for x86 CPUs")
-    monkeypatch.setattr(draft_weights, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(draft_weights, "cpu_flags", lambda: tuple(flags))
     assert draft_weights.vllm_int8_is_fast() == fast
 
 

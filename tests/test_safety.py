@@ -329,7 +329,8 @@ def test_round_clock_fits_fixed_and_per_draft_costs_from_steady_rounds():
         for steps in (1, 3):
             convex.record_drafted(1, steps, plain_s * (1 + 0.6 * steps - 0.2))
     costs = convex.costs(prior)[1]
-    assert costs.round_overhead == 0.0 and abs(costs.per_draft - (0.6 - 0.2 * 4 / 10)) < 1e-6
+    assert costs.round_overhead == 0.0
+    assert abs(costs.per_draft - (0.6 - 0.2 * 4 / 10)) < 1e-6
     few = RoundClock()
     few.record_plain(1, plain_s, round_index=0)
     few.record_drafted(1, 4, plain_s * 3)

