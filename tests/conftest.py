@@ -18,6 +18,11 @@ from vllm_selfspec.assets import ROOT
 MODEL_DIR = ROOT / "models" / "smollm2-135m"
 sys.path.insert(0, str(ROOT / "scripts"))  # the serving helpers tests share with scripts
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+# Test engines compute on every core this process may use (vLLM keeps one for
+# the scheduler): the suite waits on them, and the parity it checks holds at
+# any thread count. Tensor-parallel tests bind one core per rank themselves.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                      ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0))))
 
 # float32 and eager: exact parity holds there (docs/design.md); eager starts in
 # ~30 s instead of ~2 min of inductor compilation.
@@ -28,8 +33,10 @@ ENGINE_DEFAULTS = dict(
     enforce_eager=True,
     seed=0,
     block_size=32,
-    max_num_seqs=8,
-    max_num_batched_tokens=128,  # long prompts prefill in chunks beside decodes
+    # Parity tests send 8 requests at a time (batch 8); the sampling tests'
+    # hundreds of requests run 32 wide, in a quarter of the rounds.
+    max_num_seqs=32,
+    max_num_batched_tokens=256,  # long prompts prefill in chunks beside decodes
 )
 
 
@@ -142,7 +149,7 @@ def identity_heads(path: Path, model_dir: Path, exit_layers: list[int]) -> Path:
 @pytest.fixture(scope="session")
 def test_prompts(model_dir) -> list[str]:
     """24 prompts, 25 to ~600 tokens: code, chat questions, and two long ones
-    that exceed the 128-token budget (chunked prefill)."""
+    that exceed the 256-token budget (chunked prefill)."""
     from vllm_selfspec import prompts
 
     mixed = prompts.mixed(22)
@@ -163,11 +170,16 @@ def plain_outputs(plain, test_prompts) -> dict[int, list[str]]:
     return {size: greedy(plain, prompts_at(test_prompts, size), size) for size in (1, 8)}
 
 
+# Tokens each parity request generates: with 32-token KV blocks every request
+# crosses a block boundary.
+PARITY_TOKENS = 32
+
+
 def prompts_at(test_prompts: list[str], batch_size: int) -> list[str]:
-    """The parity prompts at a batch size. One request at a time costs a whole
-    engine step per token, so batch 1 takes 12 of them, the two chunked-prefill
-    ones included."""
-    return test_prompts if batch_size > 1 else [*test_prompts[:10], *test_prompts[-2:]]
+    """The parity prompts at a batch size, the two chunked-prefill ones last:
+    16 at batch 8 (two full batches, the first 8 shared with tests that take
+    `test_prompts[:8]`), 6 at batch 1, where every token costs a whole step."""
+    return [*test_prompts[:14 if batch_size > 1 else 4], *test_prompts[-2:]]
 
 
 def forced(spec: dict) -> dict:
@@ -213,7 +225,7 @@ class Acceptance:
             self.sources.update(stats.token_sources)
 
 
-def greedy(llm, prompts: list[str], batch_size: int, max_tokens: int = 48,
+def greedy(llm, prompts: list[str], batch_size: int, max_tokens: int = PARITY_TOKENS,
            acceptance: Acceptance | None = None) -> list[str]:
     """Generate greedily, `batch_size` requests in flight at a time."""
     from vllm import SamplingParams
@@ -235,12 +247,14 @@ def assert_greedy_parity_with_rejections(llm, plain_outputs, test_prompts,
     """Greedy outputs equal plain vLLM's, and the method really drafted and
     really had drafts rejected (so rollback was exercised)."""
     acceptance = Acceptance()
-    outputs = greedy(llm, prompts_at(test_prompts, batch_size), batch_size,
-                     acceptance=acceptance)
+    prompts = prompts_at(test_prompts, batch_size)
+    outputs = greedy(llm, prompts, batch_size, acceptance=acceptance)
     mismatched = [i for i, (a, b) in enumerate(zip(outputs, plain_outputs[batch_size]))
                   if a != b]
     assert not mismatched, f"prompts {mismatched} differ from plain vLLM"
-    assert acceptance.drafted > 100
+    # Drafts on at least a sixth of the tokens (DEL declines most rounds at
+    # batch 1 with its statistics still young).
+    assert acceptance.drafted >= len(prompts) * PARITY_TOKENS / 6, acceptance
     assert 0 < acceptance.accepted < acceptance.drafted
 
 
@@ -248,9 +262,11 @@ def assert_every_draft_accepted(llm, plain_outputs, test_prompts) -> None:
     """Drafts that are the target's own tokens (full depth) must all be accepted,
     and the outputs equal plain vLLM's: any KV or metadata bug shows as a rejection."""
     acceptance = Acceptance()
-    outputs = greedy(llm, test_prompts, 8, acceptance=acceptance)
+    prompts = prompts_at(test_prompts, 8)
+    outputs = greedy(llm, prompts, 8, acceptance=acceptance)
     assert outputs == plain_outputs[8]
-    assert acceptance.drafted >= 900
+    # Full-depth drafts are all kept, so most tokens come from drafts.
+    assert acceptance.drafted >= 0.6 * len(prompts) * PARITY_TOKENS, acceptance
     assert acceptance.accepted == acceptance.drafted, acceptance
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import (
+    PARITY_TOKENS,
     assert_every_draft_accepted,
     assert_greedy_parity_with_rejections,
     assert_same_distribution_after_rejections,
@@ -119,7 +120,8 @@ def test_tensor_parallel_ranks_agree(tiny_llama_dir, tiny_llama_outputs, test_pr
     assert outputs == tiny_llama_outputs
     assert acceptance.drafted > 100
     assert first == second
-    assert sum(len(rounds) for rounds in first.values()) > 8 * 10
+    # At most 4 tokens a round (3 drafts and the target's own) after the first.
+    assert sum(len(rounds) for rounds in first.values()) >= 8 * (PARITY_TOKENS - 1) / 4
     # Measured once, on every rank (their timings differ; rank 0's is used).
     assert len({r["step_overhead"] for rounds in first.values() for r in rounds}) == 1
 

@@ -1,9 +1,9 @@
 """Draft & Verify on the real engine: lossless greedy and sampling, full-depth
 acceptance, chunked prefill, prefix caching and KV block boundaries.
 
-Engines run SmolLM2-135M in float32 with 32-token KV blocks and a 128-token
-batch budget, so 48 generated tokens cross block boundaries and prompts longer
-than 128 tokens prefill in chunks while other requests decode.
+Engines run SmolLM2-135M in float32 with 32-token KV blocks and a 256-token
+batch budget, so the 32 generated tokens cross a block boundary and prompts longer
+than 256 tokens prefill in chunks while other requests decode.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import (
+    PARITY_TOKENS,
     Acceptance,
     assert_every_draft_accepted,
     assert_greedy_parity_with_rejections,
@@ -61,7 +62,7 @@ def test_prefix_cache_hits_keep_outputs(skipping, plain_outputs, test_prompts):
     from vllm import SamplingParams
 
     shared = [p + suffix for p in test_prompts[-2:] for suffix in ("", "\n", "\n\n")]
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=PARITY_TOKENS, ignore_eos=True)
     first = skipping.generate(shared, params, use_tqdm=False)
     second = skipping.generate(shared, params, use_tqdm=False)
     assert all(output.num_cached_tokens >= 128 for output in second)
@@ -99,6 +100,6 @@ def test_cost_aware_drafting_declines_where_drafts_lose(plain_outputs, test_prom
     # Forced, it drafts 4 tokens a round (over a thousand here); the budget
     # keeps to about one token a request-round or none (the first rounds, before
     # the engine's record says the draft loses, and probes).
-    assert 0 < acceptance.drafted < 8 * 48 / 2, acceptance
+    assert 0 < acceptance.drafted < 8 * PARITY_TOKENS / 2, acceptance
     assert acceptance.drafted <= 1.2 * acceptance.rounds, acceptance
     assert state["requests_with_state"]["self_records"] <= 8

@@ -20,7 +20,7 @@ from tests.test_config import engine_config
 from vllm_selfspec.workers.profiling import WORKER_EXTENSION
 
 # A short window and quick stop so the search runs, and switches the drafting
-# set, inside the 48-token test requests.
+# set, inside the test requests.
 SEARCHING = {"method": "swift", "context_window": 8, "bayes_interval": 5,
              "max_iterations": 400}
 
@@ -118,7 +118,7 @@ def test_tensor_parallel_ranks_agree(tiny_llama_dir, tiny_llama_outputs, test_pr
     for report in (first, second):
         report.pop("optimise_seconds")
     assert first == second
-    assert first["tasks"]["default"]["iterations"] > 10
+    assert first["tasks"]["default"]["iterations"] >= 5
 
 
 @pytest.mark.parametrize(

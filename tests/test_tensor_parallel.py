@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import forced, identity_heads, run_tensor_parallel
+from tests.conftest import PARITY_TOKENS, forced, identity_heads, run_tensor_parallel
 
 SKIP_ONE = {"method": "draft_verify", "attn_skip": [1], "num_speculative_tokens": 3}
 ADADECODE = {"method": "adadecode", "threshold": 0.0}  # + identity heads at layer 1
@@ -85,7 +85,7 @@ def test_ray_executor_serves(method, local_ray, tiny_llama_dir, tiny_heads,
     with vllm_serve(tiny_llama_dir, forced(spec), tmp_path / "serve.log", args, env=env,
                     dev_mode=True) as server:
         outputs = [requests.post(f"{server.url}/v1/completions", json={
-            "model": str(tiny_llama_dir), "prompt": prompt, "max_tokens": 48,
+            "model": str(tiny_llama_dir), "prompt": prompt, "max_tokens": PARITY_TOKENS,
             "temperature": 0, "ignore_eos": True}, timeout=300).json()["choices"][0]["text"]
             for prompt in test_prompts[:8]]
         counters = server.collective_rpc("selfspec_counters")
