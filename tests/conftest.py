@@ -25,7 +25,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
                       ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0))))
 
 # float32 and eager: exact parity holds there (docs/design.md); eager starts in
-# ~30 s instead of ~2 min of inductor compilation.
+# 30-60 s instead of minutes of inductor compilation.
 ENGINE_DEFAULTS = dict(
     model=str(MODEL_DIR),
     dtype="float32",

@@ -97,7 +97,7 @@ def test_cost_aware_drafting_declines_where_drafts_lose(plain_outputs, test_prom
         stop_engine(llm)
     assert outputs == plain_outputs[8][:8]
     assert 0 < counters["draft_steps"] < counters["rounds"], counters
-    # Forced, it drafts 4 tokens a round (over a thousand here); the budget
+    # Forced, it drafts 4 tokens a round (about 200 here); the budget
     # keeps to about one token a request-round or none (the first rounds, before
     # the engine's record says the draft loses, and probes).
     assert 0 < acceptance.drafted < 8 * PARITY_TOKENS / 2, acceptance
