@@ -99,6 +99,29 @@ def tiny_llama_dir(tmp_path_factory, model_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_first_layers_dir(tmp_path_factory, model_dir) -> Path:
+    """SmolLM2 cut to its first 8 layers (its own weights, so drafts still get
+    accepted): a compiled engine of it starts in about 2 minutes, not 5."""
+    import json
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("smollm2-8-layers")
+    for source in model_dir.iterdir():
+        if source.suffix != ".safetensors":
+            shutil.copy(source, path / source.name)
+            continue
+        kept = {name: tensor for name, tensor in load_file(source).items()
+                if (match := re.search(r"layers\.(\d+)\.", name)) is None
+                or int(match.group(1)) < 8}
+        save_file(kept, path / source.name, metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 8}))
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_outputs(tiny_llama_dir, test_prompts) -> list[str]:
     """Plain vLLM on the random 3-layer Llama: what tensor-parallel runs must give."""
     plain = start_engine(None, model=str(tiny_llama_dir))

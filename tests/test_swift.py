@@ -1,7 +1,8 @@
 """SWIFT on the real engine: lossless while the skip set is searched and
 switched mid-request, a learned set that matches the target better than the
 uniform one on the same windows, per-task searches, the learned set exported
-for draft_verify, tensor-parallel ranks that agree, and bad configs refused."""
+for draft_verify and compiled in a compiled engine, tensor-parallel ranks that
+agree, and bad configs refused."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import pytest
 
 from tests.conftest import (
+    Acceptance,
     assert_greedy_parity_with_rejections,
     greedy,
     run_tensor_parallel,
@@ -64,7 +66,7 @@ def test_search_learns_a_better_set_and_exports_it(swift, test_prompts, model_di
     late = search["windows"][-3:]
     assert sum(w["incumbent"] for w in late) > sum(w["uniform"] for w in late), late
     assert report["drafting"] == {"attn_skip": search["attn_skip"],
-                                  "mlp_skip": search["mlp_skip"]}
+                                  "mlp_skip": search["mlp_skip"], "compiled": False}
     exported = swift.export_dir / "default.json"
     assert json.loads(exported.read_text())["how_made"].startswith("SWIFT")
     spec = engine_config(model_dir, {"method": "draft_verify",
@@ -119,6 +121,39 @@ def test_tensor_parallel_ranks_agree(tiny_llama_dir, tiny_llama_outputs, test_pr
         report.pop("optimise_seconds")
     assert first == second
     assert first["tasks"]["default"]["iterations"] >= 5
+
+
+def test_compiled_engine_compiles_the_learned_set(smollm2_first_layers_dir, test_prompts,
+                                                 tmp_path, monkeypatch):
+    """A compiled engine drafts with the uniform set's start-up graph while
+    the search runs and, once it ends, with the learned set compiled; the
+    outputs stay the target's, and no graph of the learned set is saved."""
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    spec = {"method": "swift", "context_window": 16, "max_iterations": 20}
+    llm = start_engine(spec, model=str(smollm2_first_layers_dir), enforce_eager=False,
+                       worker_extension_cls=WORKER_EXTENSION)
+    try:
+        prompts = test_prompts[:4]
+        searching = greedy(llm, prompts, 4, max_tokens=48)
+        for _ in range(5):  # 20 candidates, one a round, end within a few passes
+            if search_report(llm)["tasks"]["default"]["done"]:
+                break
+            assert greedy(llm, prompts, 4, max_tokens=48) == searching
+        report = search_report(llm)
+        assert report["tasks"]["default"]["done"], "the search did not end"
+        search = report["tasks"]["default"]
+        assert (search["attn_skip"], search["mlp_skip"]) == (
+            report["drafting"]["attn_skip"], report["drafting"]["mlp_skip"])
+        assert report["drafting"]["compiled"]
+        assert set(report["compile_seconds"]) == {"default"}, \
+            "the search kept the uniform set: nothing to compile"
+        acceptance = Acceptance()
+        assert greedy(llm, prompts, 4, max_tokens=48, acceptance=acceptance) == searching
+        assert 0 < acceptance.accepted < acceptance.drafted
+    finally:
+        stop_engine(llm)
+    saved = list((tmp_path / "torch_compile_cache").rglob("rank_0_0/model"))
+    assert len(saved) == 2, saved  # the target and the uniform draft, from start-up
 
 
 @pytest.mark.parametrize(

@@ -244,7 +244,10 @@ class SelfSpecProposer(DraftModelProposer):
     def build_draft(self, num_layers: int) -> nn.Module:
         return self._build_draft(self.layer_plan(num_layers))
 
-    def _build_draft(self, plan: LayerPlan) -> LayerSubsetDraft:
+    def _build_draft(self, plan: LayerPlan, cache_key: str | None = None) -> LayerSubsetDraft:
+        """The plan's draft module, compiled (in compiled engines) at its first
+        forward and filed in vLLM's graph cache under `cache_key` (default:
+        the plan's own key)."""
         with set_model_tag("selfspec_draft"):
             draft = LayerSubsetDraft(
                 vllm_config=self.vllm_config,
@@ -253,14 +256,11 @@ class SelfSpecProposer(DraftModelProposer):
                 weights=self.draft_weights,
                 plan=plan,
             )
-        key_compile_cache(draft, f"plan_{plan.digest()}")
+        key_compile_cache(draft, cache_key or f"plan_{plan.digest()}")
         return draft
 
     def replace_layer_plan(self, plan: LayerPlan) -> None:
-        """Draft with another plan from the next round on, run eagerly. (In a
-        compiled engine, compiling a new plan's graph while serving crashed
-        vLLM-CPU's worker with heap corruption; a compiled learned plan needs
-        a restart with it as the configured skip set.)"""
+        """Draft with another plan from the next round on, run eagerly."""
         self.model = self.eager_draft(plan)
 
     def eager_draft(self, plan: LayerPlan) -> EagerPlanDraft:
