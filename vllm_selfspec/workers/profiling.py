@@ -152,8 +152,9 @@ WORKER_EXTENSION = "vllm_selfspec.workers.profiling.SelfSpecWorkerExtension"
 class SelfSpecWorkerExtension:
     """Mixed into vLLM's worker class by `worker_extension_cls`."""
 
-    def selfspec_step_costs(self, batch_size: int = 1, repeats: int = 30) -> dict:
-        return measure_step_costs(self, batch_size, repeats)
+    def selfspec_step_costs(self, batch_size: int = 1, repeats: int = 30,
+                            uncompiled: bool = False) -> dict:
+        return measure_step_costs(self, batch_size, repeats, uncompiled)
 
     def selfspec_profile_forwards(self, batch_size: int = 1) -> dict:
         return profile_forwards(self, batch_size)
@@ -296,14 +297,22 @@ def draft_and_verify_costs(runner, drafter, max_drafts: int, repeats: int = 10
     return StepCosts(per_draft=draft / plain + verified, per_verified=verified)
 
 
-def measure_step_costs(worker, batch_size: int = 1, repeats: int = 30) -> dict:
-    """Median seconds of a plain step and a draft step, and their ratio."""
+def measure_step_costs(worker, batch_size: int = 1, repeats: int = 30,
+                       uncompiled: bool = False) -> dict:
+    """Median seconds of a plain step and a draft step, and their ratio;
+    `uncompiled` times the same plan's eager draft too."""
     runner = worker.model_runner
     drafter = runner.drafter
     plain = _time_forward(runner.model, runner.vllm_config, batch_size, repeats)
     draft = _time_forward(drafter.model, drafter.vllm_config, batch_size, repeats)
     plan = drafter.model.plan
-    return {
+    if uncompiled:
+        eager = _time_forward(drafter.eager_draft(plan), drafter.vllm_config, batch_size,
+                              repeats)
+        extra = {"uncompiled_draft_step_s": eager, "uncompiled_cost_ratio": eager / plain}
+    else:
+        extra = {}
+    return {**extra,
         "plain_step_s": plain,
         "draft_step_s": draft,
         "cost_ratio": draft / plain,
