@@ -24,7 +24,7 @@ from vllm_selfspec.workers.profiling import WORKER_EXTENSION
 # A short window and quick stop so the search runs, and switches the drafting
 # set, inside the test requests.
 SEARCHING = {"method": "swift", "context_window": 8, "bayes_interval": 5,
-             "max_iterations": 200}
+             "max_iterations": 400}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_search_learns_a_better_set_and_exports_it(swift, test_prompts, model_di
     """By the end of the search the incumbent predicts the target's next
     tokens better than the uniform set on the same windows, the engine drafts
     with it, and it is written as a draft_verify config."""
-    for _ in range(40):  # ~200 candidates at W = 8 end the search well before this
+    for _ in range(40):  # ~400 candidates at W = 8 end the search well before this
         if search_report(swift)["tasks"]["default"]["done"]:
             break
         greedy(swift, test_prompts[:8], 8)
