@@ -437,8 +437,11 @@ def summarize(runs: list[Run], num_layers: int, batch_size: int) -> list[dict]:
             row["draft_copy_share"] = round(run.step_costs["draft_copy_bytes"]
                                             / run.step_costs["model_bytes"], 3)
         if run.step_costs and "search" in run.step_costs:  # SWIFT's on-line search
+            search = run.step_costs["search"]
             row["optimise_share_of_decode"] = round(
-                run.step_costs["search"]["optimise_seconds"] / run.decode_seconds, 3)
+                search["optimise_seconds"] / run.decode_seconds, 3)
+            row["search_candidates"] = sum(t["iterations"] for t in search["tasks"].values())
+            row["search_futile_rounds"] = search["futile_rounds"]
         rows.append(row)
     return rows
 

@@ -293,30 +293,26 @@ def assert_every_draft_accepted(llm, plain_outputs, test_prompts) -> None:
     assert acceptance.accepted == acceptance.drafted, acceptance
 
 
-def assert_same_sampling_distribution(llm, reference_llm, samples: int = 400) -> None:
+def assert_same_sampling_distribution(llm, reference_llm, samples: int = 300,
+                                      after_rejections: bool = False) -> None:
     """Chi-square test of the 2nd and 3rd tokens sampled at temperature 0.8,
     which speculation produces through draft verification (the 1st comes from
     the prefill), against an engine without speculation; seeded requests
-    must reproduce."""
-    prompt = "My favourite animal is the"
-    ours, _ = _sampled_tokens(llm, prompt, samples, 3, (1, 2))
-    assert _sampled_tokens(llm, prompt, 32, 3, (1, 2))[0] == ours[:32], \
+    must reproduce. `after_rejections` also tests the 7th and 10th tokens: by
+    then most requests have had drafts rejected and tokens resampled from the
+    remainder (the test checks that rejections happened), so a wrong residual
+    distribution or a rollback bug shows there even where the first tokens
+    look right."""
+    prompt, max_tokens, positions = (("The weather today is", 10, (1, 2, 6, 9))
+                                     if after_rejections
+                                     else ("My favourite animal is the", 3, (1, 2)))
+    ours, acceptance = _sampled_tokens(llm, prompt, samples, max_tokens, positions)
+    assert _sampled_tokens(llm, prompt, 32, max_tokens, positions)[0] == ours[:32], \
         "seeded requests did not reproduce"
-    _assert_same_columns(ours, _reference_samples(reference_llm, prompt, samples, 3,
-                                                  (1, 2)))
-
-
-def assert_same_distribution_after_rejections(llm, reference_llm,
-                                              samples: int = 400) -> None:
-    """The same test on the 7th and 10th sampled tokens: by then most requests
-    have had drafts rejected and tokens resampled from the remainder (the
-    test checks that rejections happened), so a wrong residual distribution
-    or a rollback bug shows here even where the first tokens look right."""
-    prompt = "The weather today is"
-    ours, acceptance = _sampled_tokens(llm, prompt, samples, 10, (6, 9))
-    assert acceptance.drafted > acceptance.accepted > 0, acceptance
-    _assert_same_columns(ours, _reference_samples(reference_llm, prompt, samples, 10,
-                                                  (6, 9)))
+    if after_rejections:
+        assert acceptance.drafted > acceptance.accepted > 0, acceptance
+    _assert_same_columns(ours, _reference_samples(reference_llm, prompt, samples,
+                                                  max_tokens, positions))
 
 
 def _assert_same_columns(ours, reference) -> None:

@@ -24,6 +24,7 @@ from tests.conftest import (
 )
 from tests.test_config import engine_config
 from vllm_selfspec.assets import ROOT
+from vllm_selfspec.workers.profiling import WORKER_EXTENSION
 
 # A low threshold: many early tokens, many of them wrong, so verification
 # rejects and rolls back often.
@@ -32,7 +33,7 @@ EAGER_EXITS = {"method": "adadecode", "heads": "smollm2-135m", "threshold": 0.4}
 
 @pytest.fixture(scope="module")
 def adadecode():
-    llm = start_engine(EAGER_EXITS)
+    llm = start_engine(EAGER_EXITS, worker_extension_cls=WORKER_EXTENSION)
     yield llm
     stop_engine(llm)
 
@@ -47,13 +48,14 @@ def test_sampling_keeps_the_target_distribution(adadecode, plain):
     assert_same_sampling_distribution(adadecode, plain)
 
 
-def test_threshold_above_one_is_plain_decoding(plain_outputs, test_prompts):
-    llm = start_engine({**EAGER_EXITS, "threshold": 1.01})
+def test_threshold_above_one_is_plain_decoding(adadecode, plain_outputs, test_prompts):
+    adadecode.collective_rpc("selfspec_set_option", args=("threshold", 1.01))
     try:
         acceptance = Acceptance()
-        outputs = greedy(llm, test_prompts[:8], 8, acceptance=acceptance)
+        outputs = greedy(adadecode, test_prompts[:8], 8, acceptance=acceptance)
     finally:
-        stop_engine(llm)
+        adadecode.collective_rpc("selfspec_set_option",
+                                 args=("threshold", EAGER_EXITS["threshold"]))
     assert outputs == plain_outputs[8][:8]
     assert acceptance.drafted == 0
 

@@ -15,7 +15,6 @@ from tests.conftest import (
     Acceptance,
     assert_every_draft_accepted,
     assert_greedy_parity_with_rejections,
-    assert_same_distribution_after_rejections,
     assert_same_sampling_distribution,
     greedy,
     start_engine,
@@ -71,12 +70,9 @@ def test_prefix_cache_hits_keep_outputs(skipping, plain_outputs, test_prompts):
     assert texts[0] == plain_outputs[8][-2] and texts[3] == plain_outputs[8][-1]
 
 
-def test_sampling_keeps_the_target_distribution(plain, skipping):
-    assert_same_sampling_distribution(skipping, plain)
+def test_sampling_keeps_the_target_distribution_also_after_rejections(skipping, plain):
+    assert_same_sampling_distribution(skipping, plain, after_rejections=True)
 
-
-def test_sampling_after_rejected_drafts_keeps_the_target_distribution(skipping, plain):
-    assert_same_distribution_after_rejections(skipping, plain)
 
 
 def test_cost_aware_drafting_declines_where_drafts_lose(plain_outputs, test_prompts):

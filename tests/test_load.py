@@ -20,7 +20,7 @@ def reports(model_dir, tmp_path_factory):
     from serving import vllm_serve
     from transformers import AutoTokenizer
 
-    args = argparse.Namespace(clients=32, duration=45, max_num_seqs=32, kv_blocks=64)
+    args = argparse.Namespace(clients=32, duration=25, max_num_seqs=32, kv_blocks=64)
     plan = build_requests(200, str(model_dir), AutoTokenizer.from_pretrained(model_dir))
     logs = tmp_path_factory.mktemp("load")
     found, reference = {}, None

@@ -277,6 +277,28 @@ def test_dear_probes_are_spread_out():
     assert probe_interval(StepCosts(per_draft=0.64, round_overhead=2.65), 16, 0.02) == 165
 
 
+def test_swift_search_scores_only_what_can_pay_and_at_a_bounded_share():
+    """At draft costs where even a set matching 95 % of tokens loses, the
+    search waits; where it pays, it runs until the incumbent is within the
+    margin of that best case; each step's cost spaces the next so scoring
+    takes at most its share of decoding."""
+    from vllm_selfspec.workers.draft_payoff import StepCosts, best_speed
+    from vllm_selfspec.workers.skip_search import rounds_until_next_search, search_outlook
+
+    eager = StepCosts(per_draft=0.97, round_overhead=0.1)  # SmolLM2 eager, float32, AVX2
+    compiled = StepCosts(per_draft=0.66, round_overhead=0.1)
+    assert best_speed(0.95, eager, 25) == 1.0  # drafting never pays: plain speed
+    assert search_outlook(None, 0.95, eager, 25, 0.05) == "futile"
+    assert search_outlook(0.5, 0.95, compiled, 25, 0.05) == "open"
+    assert best_speed(0.95, compiled, 25) > 1.15
+    assert search_outlook(0.93, 0.95, compiled, 25, 0.05) == "converged"
+    assert search_outlook(0.93, 0.95, StepCosts(per_draft=0.05), 25, 0.05) == "open"
+    # A step of 2.6 plain steps at 2 %: the next 130 rounds later; unknown: 1 step.
+    assert rounds_until_next_search(2.6, 0.02) == 130
+    assert rounds_until_next_search(None, 0.02) == 50
+    assert rounds_until_next_search(0.001, 1.0) == 1
+
+
 def test_batch_drafts_only_when_the_drafting_rows_pay_for_the_whole_batch():
     """A draft step runs every row: at batch 1 the batch's steps are the
     request's own budget; at batch 4 one eager request cannot pay for a step

@@ -1,6 +1,8 @@
-"""`vllm serve` with each method on loopback: the documented command works,
-answers OpenAI-compatible requests, counts our drafts on /metrics, and survives
-bad requests."""
+"""`vllm serve` on loopback: the documented command works, answers
+OpenAI-compatible requests, counts our drafts on /metrics, and survives bad
+requests. Two methods here, one of each family (a skip set, and SWIFT with its
+per-request task key); the others are served in test_load.py (AdaDecode, under
+load, faults and bad input) and, with all four, in scripts/load_test.py."""
 
 from __future__ import annotations
 
@@ -11,8 +13,6 @@ from tests.conftest import forced
 
 SPECS = {
     "draft_verify": {"method": "draft_verify", "config_file": "smollm2-135m"},
-    "adadecode": {"method": "adadecode", "heads": "smollm2-135m", "threshold": 0.5},
-    "del": {"method": "del", "heads": "smollm2-135m-del"},
     "swift": {"method": "swift", "context_window": 8},
 }
 

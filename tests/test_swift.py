@@ -85,6 +85,27 @@ def test_tasks_search_separately(swift, test_prompts):
     assert not tasks["prose"]["done"]
 
 
+def test_cost_aware_search_waits_where_no_set_could_pay(swift, test_prompts):
+    """Cost-aware, with a goal no set can pay at (matchness 0: drafts that are
+    all rejected), the rounds that draft (probes here) score no candidate."""
+    from vllm import SamplingParams
+
+    options = {"cost_aware": (True, False), "stop_matchness": (0.0, 0.95)}
+    for name, (value, _) in options.items():
+        swift.collective_rpc("selfspec_set_option", args=(name, value))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True,
+                                extra_args={"selfspec_task": "futile"})
+        for prompt in test_prompts[:4]:  # batch 1: rounds enough for a few probes
+            swift.generate([prompt], params, use_tqdm=False)
+    finally:
+        for name, (_, value) in options.items():
+            swift.collective_rpc("selfspec_set_option", args=(name, value))
+    report = search_report(swift)
+    assert report["futile_rounds"] > 0, "no round drafted, so nothing was checked"
+    assert report["tasks"]["futile"]["iterations"] == 0
+
+
 def test_task_keys_cannot_write_outside_export_dir_or_grow_state(swift, test_prompts,
                                                                  tmp_path):
     """Traversal and absolute-path keys, odd types and more new keys than
@@ -166,6 +187,7 @@ def test_compiled_engine_compiles_the_learned_set(smollm2_first_layers_dir, test
         ({"bayes_interval": -1}, r"bayes_interval: -1 must be >= 0"),
         ({"skip_set": [1]}, r"unknown key\(s\) \['skip_set'\]"),
         ({"max_tasks": 0}, r"max_tasks: 0 must be >= 1"),
+        ({"search_share": 0}, r"search_share: 0\.0 is outside \(0, 1\]"),
     ],
 )
 def test_bad_configs_fail_at_start_up(model_dir, spec, message):

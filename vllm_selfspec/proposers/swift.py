@@ -10,7 +10,12 @@ predicts, in one read-only forward of the window over the target's own paged
 KV (the window's tokens attend to the target's K/V; nothing is written). The
 search (`workers/skip_search.py`) keeps the best set and stops at high
 matchness or when it stalls; its cost is one W-token forward per step while it
-runs and nothing after.
+runs and nothing after. With `cost_aware` (the default) the search also pays
+its way: a step scores only where a set matching `stop_matchness` of the
+tokens would draft at a profit at the engine's measured costs, the search ends
+once no set could beat the incumbent by MIN_GAIN, and steps are spaced so that
+scoring takes at most `search_share` of decoding (its cost timed per step, in
+plain steps, rank 0's on every rank).
 
 State is per task: a request names its task in `SamplingParams.extra_args`
 (`{"selfspec_task": "code"}`, `vllm_xargs` over HTTP); requests without one
@@ -48,12 +53,15 @@ from vllm.forward_context import set_forward_context
 
 from vllm_selfspec.config import SelfSpecConfig, SelfSpecConfigError
 from vllm_selfspec.draft_tokens import top1_probability
-from vllm_selfspec.proposers.base import SelfSpecProposer, VerifiedTokens
+from vllm_selfspec.proposers.base import MIN_GAIN, SelfSpecProposer, VerifiedTokens
 from vllm_selfspec.workers.draft_model import LayerPlan
+from vllm_selfspec.workers.draft_payoff import StepCosts
 from vllm_selfspec.workers.skip_search import (
     SearchSettings,
     SkipSet,
     SkipSetSearch,
+    rounds_until_next_search,
+    search_outlook,
     skip_count,
 )
 
@@ -106,6 +114,9 @@ class SwiftConfig(SelfSpecConfig):
     max_tasks: int | None = None
     """Most task searches held at once, "default" included (default 8); a
     request with a new key beyond that joins "default"."""
+    search_share: float | None = None
+    """With cost_aware: most share of decoding time spent scoring candidates
+    (default 0.02); each step's measured cost spaces the next."""
     compile_learned_set: bool | None = None
     """Compiled engines: compile a task's set when its search ends, while
     requests wait (default true; false: it drafts uncompiled, about 1.5x a
@@ -115,11 +126,12 @@ class SwiftConfig(SelfSpecConfig):
     own_fields = ("skip_ratio", "context_window", "optimise_every", "bayes_interval",
                   "bayes_kappa", "stop_matchness", "max_tolerance", "max_iterations",
                   "confidence", "search_seed", "export_dir", "max_tasks",
-                  "compile_learned_set")
+                  "search_share", "compile_learned_set")
     defaults = {"skip_ratio": 0.45, "context_window": 32, "optimise_every": 1,
                 "bayes_interval": 25, "bayes_kappa": 2.5, "stop_matchness": 0.95,
                 "max_tolerance": 300, "max_iterations": 1000, "confidence": 0.8,
-                "search_seed": 0, "max_tasks": 8, "compile_learned_set": True}
+                "search_seed": 0, "max_tasks": 8, "search_share": 0.02,
+                "compile_learned_set": True}
 
     def validate_method_fields(self) -> None:
         for name in ("skip_ratio", "stop_matchness", "confidence"):
@@ -132,6 +144,10 @@ class SwiftConfig(SelfSpecConfig):
             if getattr(self, name) < 1:
                 raise SelfSpecConfigError(
                     f"speculative_config.{name}: {getattr(self, name)} must be >= 1.")
+        if not 0.0 < self.search_share <= 1.0:
+            raise SelfSpecConfigError(
+                f"speculative_config.search_share: {self.search_share} is outside (0, 1]; "
+                f"SWIFT's default is {self.defaults['search_share']}.")
         if self.bayes_interval < 0:
             raise SelfSpecConfigError(
                 f"speculative_config.bayes_interval: {self.bayes_interval} must be >= 0 "
@@ -164,6 +180,8 @@ class SwiftProposer(SelfSpecProposer):
         self.refused_keys = Counter()  # task keys sent to "default", by reason
         self.engine_steps = 0
         self.optimise_seconds = 0.0  # for reports only, never for decisions
+        self.next_search_round = 0  # cost-aware: the engine round a step may score in
+        self.futile_rounds = 0  # cost-aware: rounds no set could have paid in
         from vllm.config import CompilationMode
 
         self.eager = self.vllm_config.compilation_config.mode == CompilationMode.NONE
@@ -213,10 +231,16 @@ class SwiftProposer(SelfSpecProposer):
     def begin_round(self, req_ids: list[str], verified: VerifiedTokens) -> None:
         tasks = [self.task_of(req_id) for req_id in req_ids]
         self.engine_steps += 1
-        if self.engine_steps % self.options.optimise_every == 0:
+        costs = (self._timed_costs(req_ids, self.options.num_speculative_tokens)
+                 if self.options.cost_aware else None)  # a drafting round has costs
+        if (self.engine_steps % self.options.optimise_every == 0
+                and (costs is None or self.counters.rounds >= self.next_search_round)):
             started = time.perf_counter()
-            self.optimise(req_ids, tasks, verified)
-            self.optimise_seconds += time.perf_counter() - started
+            scored = self.optimise(req_ids, tasks, verified, costs)
+            seconds = time.perf_counter() - started
+            self.optimise_seconds += seconds
+            if scored and costs is not None:
+                self.space_search(len(req_ids), seconds)
         counts = Counter(tasks)
         majority = min(counts, key=lambda task: (-counts[task], task))
         search = self.search_for(majority)
@@ -253,10 +277,14 @@ class SwiftProposer(SelfSpecProposer):
         return draft
 
     # --- the search ----------------------------------------------------------
-    def optimise(self, req_ids: list[str], tasks: list[str], verified: VerifiedTokens) -> None:
+    def optimise(self, req_ids: list[str], tasks: list[str], verified: VerifiedTokens,
+                 costs: StepCosts | None) -> bool:
         """One optimisation step for the first task (by name) still searching
-        that has a request with a full window."""
-        for task in sorted(set(tasks)):
+        that has a request with a full window; with `costs` (cost-aware), only
+        where a candidate can pay (`search_outlook`). True if it scored."""
+        futile = costs is not None and self.outlook(None, costs) == "futile"
+        self.futile_rounds += futile
+        for task in [] if futile else sorted(set(tasks)):
             search = self.search_for(task)
             if search.done:
                 continue
@@ -269,12 +297,27 @@ class SwiftProposer(SelfSpecProposer):
                 uniform = score if search.incumbent == search.uniform else (
                     self.matchness(search.uniform, row, verified))
                 search.rescore(*self.agreed((score, uniform)))
-            candidate = self.agreed(search.next_candidate())
-            score = self.agreed(self.matchness(candidate, row, verified))
-            search.record(candidate, score)
+            if costs is not None and self.outlook(search.incumbent_score, costs) == "converged":
+                search.end("gain")
+            else:
+                candidate = self.agreed(search.next_candidate())
+                search.record(candidate, self.agreed(self.matchness(candidate, row, verified)))
             if search.done:
                 self.export(task, search)
-            return
+            return True
+        return False
+
+    def outlook(self, incumbent_score: float | None, costs: StepCosts) -> str:
+        return search_outlook(incumbent_score, self.options.stop_matchness, costs,
+                              self.options.num_speculative_tokens, MIN_GAIN)
+
+    def space_search(self, batch_size: int, seconds: float) -> None:
+        """The next search step waits until this one's cost (rank 0's, in its
+        plain steps) is at most `search_share` of the rounds since."""
+        plain = self.clock.plain_seconds(batch_size)
+        cost = self.agreed(None if plain is None else seconds / plain)
+        self.next_search_round = self.counters.rounds + rounds_until_next_search(
+            cost, self.options.search_share)
 
     def scoring_row(self, task, req_ids, tasks, verified) -> int | None:
         """The request whose first W + 1 generated tokens score the task's
@@ -342,6 +385,7 @@ class SwiftProposer(SelfSpecProposer):
                              "compiled": self.drafting_set in self.compiled_drafts},
                 "compile_seconds": dict(self.compile_seconds),
                 "optimise_seconds": self.optimise_seconds,
+                "futile_rounds": self.futile_rounds,
                 "refused_task_keys": dict(self.refused_keys)}
 
     def forget_finished(self, live_req_ids: set[str]) -> None:

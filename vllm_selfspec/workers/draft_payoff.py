@@ -170,17 +170,27 @@ def expected_tokens(acceptance: float, drafts: int) -> float:
     return (1.0 - acceptance ** (drafts + 1)) / (1.0 - acceptance)
 
 
+def _fastest_draft(acceptance: float, costs: StepCosts, max_drafts: int) -> tuple[int, float]:
+    """The k in 1..max_drafts with the most tokens per plain step, and that
+    speed ((0, 0) when no draft fits)."""
+    return max(((drafts, expected_tokens(acceptance, drafts)
+                 / (1.0 + costs.round_overhead + drafts * costs.per_draft))
+                for drafts in range(1, max_drafts + 1)),
+               key=lambda pair: pair[1], default=(0, 0.0))
+
+
 def best_budget(acceptance: float, costs: StepCosts, max_drafts: int,
                 margin: float) -> int:
     """The k in 0..max_drafts with the highest tokens per plain step, or 0
     when no k beats plain decoding by `margin`."""
-    best, best_speed = 0, 1.0 + margin
-    for drafts in range(1, max_drafts + 1):
-        cost = 1.0 + costs.round_overhead + drafts * costs.per_draft
-        speed = expected_tokens(acceptance, drafts) / cost
-        if speed > best_speed:
-            best, best_speed = drafts, speed
-    return best
+    drafts, speed = _fastest_draft(acceptance, costs, max_drafts)
+    return drafts if speed > 1.0 + margin else 0
+
+
+def best_speed(acceptance: float, costs: StepCosts, max_drafts: int) -> float:
+    """Tokens per plain step at the best budget: 1 where drafting loses (it
+    then drafts nothing)."""
+    return max(1.0, _fastest_draft(acceptance, costs, max_drafts)[1])
 
 
 def round_budget(acceptance: float, costs: StepCosts, max_drafts: int, margin: float,

@@ -329,20 +329,21 @@ def measure_step_costs(worker, batch_size: int = 1, repeats: int = 30,
 SETTABLE_OPTIONS = frozenset({
     "threshold", "adaptive_threshold", "target_acceptance", "threshold_step",
     "acceptance_smoothing", "threshold_smoothing", "exit_layer", "draft_length",
-    "step_overhead", "decay", "confidence"})
+    "step_overhead", "decay", "confidence", "stop_matchness", "cost_aware",
+    "probe_every"})
 
 
 def set_option(options, name: str, value) -> None:
     from pydantic import TypeAdapter, ValidationError
 
-    from vllm_selfspec.config import SelfSpecConfigError, eval_field_type
+    from vllm_selfspec.config import COMMON_FIELDS, SelfSpecConfigError, eval_field_type
 
     if value is None:
         raise ValueError(f"{name}: give a value, not None")
-    if not isinstance(name, str) or name not in SETTABLE_OPTIONS or (
-            name not in options.own_fields):
+    settable = SETTABLE_OPTIONS & {*options.own_fields, *COMMON_FIELDS}
+    if not isinstance(name, str) or name not in settable:
         raise ValueError(f"{name!r} is not an option of {options.method} that can change "
-                         f"while serving; those are {sorted(SETTABLE_OPTIONS & set(options.own_fields))}")
+                         f"while serving; those are {sorted(settable)}")
     field_type = eval_field_type(type(options), type(options).__dataclass_fields__[name].type)
     try:
         value = TypeAdapter(field_type).validate_python(value)

@@ -12,17 +12,28 @@ ends when the incumbent's matchness exceeds `stop_matchness`, after
 `max_tolerance` candidates in a row that did not improve it, or after
 `max_iterations` candidates.
 
+A cost-aware engine also weighs the search against its cost
+(`search_outlook`): a set can at best match `stop_matchness` of the target's
+tokens, and at the engine's measured draft costs that is worth a speed-up
+over plain decoding (tokens per plain step at the best draft length) that may
+be none at all (the search waits: nothing it could find would draft at a
+profit) or barely above the incumbent's (the search ends: it cannot gain
+enough to pay for itself).
+
 Everything here is a function of the scores and a seeded generator, so ranks
 that see the same scores hold the same search.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
 from vllm_selfspec.workers.draft_model import LayerPlan
+from vllm_selfspec.workers.draft_payoff import StepCosts, best_speed
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,27 @@ def skip_count(num_layers: int, ratio: float) -> int:
     return int(2 * (num_layers - 2) * ratio)
 
 
+def search_outlook(incumbent_score: float | None, ceiling: float, costs: StepCosts,
+                   max_drafts: int, min_gain: float) -> Literal["futile", "converged", "open"]:
+    """Whether one more candidate can pay, at these draft costs: "futile" when
+    even a set matching `ceiling` of the tokens would not beat plain decoding
+    by `min_gain`, "converged" when it would not beat the incumbent's speed by
+    `min_gain`, else "open"."""
+    best = best_speed(ceiling, costs, max_drafts)
+    if best < 1.0 + min_gain:
+        return "futile"
+    if best < (1.0 + min_gain) * best_speed(incumbent_score or 0.0, costs, max_drafts):
+        return "converged"
+    return "open"
+
+
+def rounds_until_next_search(cost_in_plain_steps: float | None, share: float) -> int:
+    """Engine rounds to wait after a search step so that scoring costs at most
+    `share` of decoding; a step of unknown cost counts as one plain step."""
+    return max(1, math.ceil((1.0 if cost_in_plain_steps is None else cost_in_plain_steps)
+                            / share))
+
+
 def ucb_acquisition(kappa: float, seed: int, lbfgs_starts: int = 2):
     """UCB whose acquisition optimiser uses fewer random samples and L-BFGS
     restarts than bayes_opt's defaults: in 2L dimensions the defaults, not the
@@ -119,6 +151,7 @@ class SkipSetSearch:
     iterations: int = 0
     tolerance: int = 0
     done: bool = False
+    ended_by: str | None = None  # matchness | tolerance | iterations | gain
     history: list[dict] = field(default_factory=list)  # per candidate
     windows: list[dict] = field(default_factory=list)  # per scoring window
 
@@ -148,7 +181,7 @@ class SkipSetSearch:
                              "uniform": uniform_score})
 
     def report(self) -> dict:
-        return {"iterations": self.iterations, "done": self.done,
+        return {"iterations": self.iterations, "done": self.done, "ended_by": self.ended_by,
                 "attn_skip": self.incumbent.attn_skip, "mlp_skip": self.incumbent.mlp_skip,
                 "incumbent_score": self.incumbent_score, "windows": self.windows,
                 "history": self.history}
@@ -163,15 +196,20 @@ class SkipSetSearch:
         improved = score > self.incumbent_score
         if improved:
             self.incumbent, self.incumbent_score, self.tolerance = candidate, score, 0
-            self.done = score > self.settings.stop_matchness
+            if score > self.settings.stop_matchness:
+                self.end("matchness")
         else:
             self.tolerance += 1
-        if (self.tolerance >= self.settings.max_tolerance
-                or self.iterations >= self.settings.max_iterations):
-            self.done = True
+        if not self.done and self.tolerance >= self.settings.max_tolerance:
+            self.end("tolerance")
+        if not self.done and self.iterations >= self.settings.max_iterations:
+            self.end("iterations")
         self.history.append({"iteration": self.iterations, "score": score,
                              "incumbent_score": self.incumbent_score, "done": self.done})
         return improved
+
+    def end(self, reason: str) -> None:
+        self.done, self.ended_by = True, reason
 
     @property
     def optimizer(self):
