@@ -150,7 +150,6 @@ class SkipSetSearch:
     incumbent_score: float | None = None  # on the current scoring window
     iterations: int = 0
     tolerance: int = 0
-    done: bool = False
     ended_by: str | None = None  # matchness | tolerance | iterations | gain
     history: list[dict] = field(default_factory=list)  # per candidate
     windows: list[dict] = field(default_factory=list)  # per scoring window
@@ -208,8 +207,12 @@ class SkipSetSearch:
                              "incumbent_score": self.incumbent_score, "done": self.done})
         return improved
 
+    @property
+    def done(self) -> bool:
+        return self.ended_by is not None
+
     def end(self, reason: str) -> None:
-        self.done, self.ended_by = True, reason
+        self.ended_by = reason
 
     @property
     def optimizer(self):
