@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import gc
 import os
@@ -131,23 +132,31 @@ def tiny_llama_outputs(tiny_llama_dir, test_prompts) -> list[str]:
         stop_engine(plain)
 
 
-def run_tensor_parallel(spec: dict, model_dir: Path, prompts: list[str], monkeypatch,
-                        report_rpc: str, start_rpc: tuple[str, tuple] | None = None):
-    """Greedy outputs of `spec` at TP=2 (mp backend, one core per rank), their
-    acceptance, and every rank's answer to the worker method `report_rpc`."""
+@contextlib.contextmanager
+def tensor_parallel_engine(spec: dict, model_dir: Path, monkeypatch):
+    """A TP=2 engine of `spec` (mp backend, one core per rank) with the
+    plugin's worker methods, stopped afterwards."""
     from vllm_selfspec.workers.profiling import WORKER_EXTENSION
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     llm = start_engine(spec, model=str(model_dir), tensor_parallel_size=2,
                        worker_extension_cls=WORKER_EXTENSION)
     try:
+        yield llm
+    finally:
+        stop_engine(llm)
+
+
+def run_tensor_parallel(spec: dict, model_dir: Path, prompts: list[str], monkeypatch,
+                        report_rpc: str, start_rpc: tuple[str, tuple] | None = None):
+    """Greedy outputs of `spec` at TP=2, their acceptance, and every rank's
+    answer to the worker method `report_rpc`."""
+    with tensor_parallel_engine(spec, model_dir, monkeypatch) as llm:
         if start_rpc is not None:
             llm.collective_rpc(start_rpc[0], args=start_rpc[1])
         acceptance = Acceptance()
         outputs = greedy(llm, prompts, 8, acceptance=acceptance)
         reports = llm.collective_rpc(report_rpc)
-    finally:
-        stop_engine(llm)
     return outputs, acceptance, reports
 
 
@@ -293,6 +302,9 @@ def assert_every_draft_accepted(llm, plain_outputs, test_prompts) -> None:
     assert acceptance.accepted == acceptance.drafted, acceptance
 
 
+REPRODUCED = 32  # seeded samples drawn twice by the sampling test
+
+
 def assert_same_sampling_distribution(llm, reference_llm, samples: int = 300,
                                       after_rejections: bool = False) -> None:
     """Chi-square test of the 2nd and 3rd tokens sampled at temperature 0.8,
@@ -306,9 +318,15 @@ def assert_same_sampling_distribution(llm, reference_llm, samples: int = 300,
     prompt, max_tokens, positions = (("The weather today is", 10, (1, 2, 6, 9))
                                      if after_rejections
                                      else ("My favourite animal is the", 3, (1, 2)))
-    ours, acceptance = _sampled_tokens(llm, prompt, samples, max_tokens, positions)
-    assert _sampled_tokens(llm, prompt, 32, max_tokens, positions)[0] == ours[:32], \
+    # Seeds reproduce in a batch of the same requests: a draft need not be
+    # batch-invariant (fbgemm's int8 quantises a batch's activations together),
+    # as vLLM's own forwards need not be.
+    first, acceptance = _sampled_tokens(llm, prompt, range(REPRODUCED), max_tokens, positions)
+    rest, _ = _sampled_tokens(llm, prompt, range(REPRODUCED, samples), max_tokens, positions,
+                              acceptance)
+    assert _sampled_tokens(llm, prompt, range(REPRODUCED), max_tokens, positions)[0] == first, \
         "seeded requests did not reproduce"
+    ours = first + rest
     if after_rejections:
         assert acceptance.drafted > acceptance.accepted > 0, acceptance
     _assert_same_columns(ours, _reference_samples(reference_llm, prompt, samples,
@@ -331,18 +349,20 @@ def _reference_samples(reference_llm, prompt: str, samples: int, max_tokens: int
                        positions: tuple[int, ...]) -> list[tuple[int, ...]]:
     """The reference engine's samples, drawn once per session (seeded, so
     every method's test compares against the same draw)."""
-    return _sampled_tokens(reference_llm, prompt, samples, max_tokens, positions)[0]
+    return _sampled_tokens(reference_llm, prompt, range(samples), max_tokens, positions)[0]
 
 
-def _sampled_tokens(llm, prompt: str, samples: int, max_tokens: int,
-                    positions: tuple[int, ...]) -> tuple[list[tuple[int, ...]], Acceptance]:
-    """Each seeded sample's tokens at `positions`, and the drafts' acceptance."""
+def _sampled_tokens(llm, prompt: str, seeds: range, max_tokens: int,
+                    positions: tuple[int, ...], acceptance: Acceptance | None = None
+                    ) -> tuple[list[tuple[int, ...]], Acceptance]:
+    """Each seeded sample's tokens at `positions`, and the drafts' acceptance
+    (added to `acceptance` if given)."""
     from vllm import SamplingParams
 
     params = [SamplingParams(temperature=0.8, max_tokens=max_tokens, seed=seed,
-                             ignore_eos=True) for seed in range(samples)]
-    outputs = llm.generate([prompt] * samples, params, use_tqdm=False)
-    acceptance = Acceptance()
+                             ignore_eos=True) for seed in seeds]
+    outputs = llm.generate([prompt] * len(seeds), params, use_tqdm=False)
+    acceptance = Acceptance() if acceptance is None else acceptance
     for output in outputs:
         acceptance.add(output)
     return [tuple(o.outputs[0].token_ids[p] for p in positions) for o in outputs], acceptance

@@ -61,7 +61,8 @@ def test_quantisation_round_trips():
 
 # Each kernel is tested on every machine that can run it: vLLM's int8 kernel
 # runs on any CPU (slowly without VNNI), its int4 one only where the build has
-# it; the fallbacks (`WeightOnly*Kernel`) run everywhere.
+# it; the fallbacks (`DynamicInt8Kernel`, `WeightOnlyInt4Kernel`, defined in
+# draft_weights) run on every x86 CPU.
 KERNEL_CHOICE = {Int8Linear: "vllm_int8_is_fast", Int4Linear: "vllm_int4_is_available"}
 
 
@@ -84,13 +85,34 @@ def test_kernels_over_the_copy_match_the_dense_product(vllm_context, monkeypatch
     bias = torch.randn(192).to(dtype) if with_bias else None
     with set_default_torch_dtype(dtype):
         linear = cls(weight, bias, [192])
-    assert type(linear.kernel).__name__.startswith("WeightOnly") == fallback
+    assert (type(linear.kernel).__module__ == draft_weights.__name__) == fallback
+    # Drafts are compiled: the kernel must trace without a graph break.
+    torch._dynamo.reset()  # every case compiles the same forward
+    compiled = torch.compile(linear, backend="eager", fullgraph=True)
     for rows in (1, 5):
         x = torch.randn(rows, 576, dtype=dtype)
         out = linear(x, bias)  # vLLM's forward passes its own bias where it applies
         expected = x.float() @ weight.float().t() + (0 if bias is None else bias.float())
         assert out.shape == (rows, 192) and out.dtype == dtype
         assert relative_error(out, expected) < bound
+        assert torch.equal(compiled(x, bias), out)
+
+
+def test_fbgemm_int8_gives_nan_rows_where_its_input_has_them(vllm_context, monkeypatch):
+    """vLLM's warm-up forward reads an uninitialised KV cache: a NaN row must
+    not take the engine down (fbgemm raises on one), nor spoil the others."""
+    from vllm_selfspec.workers import draft_weights
+
+    monkeypatch.setattr(draft_weights, "vllm_int8_is_fast", lambda: False)
+    weight = torch.randn(64, 128) * 0.02
+    linear = Int8Linear(weight, None, [64])
+    x = torch.randn(3, 128)
+    clean = linear(x)
+    x[1, 5] = float("nan")
+    out = linear(x)
+    assert out[1].isnan().all()
+    # Activations are quantised over the rows' common range, so not equal.
+    assert relative_error(out[[0, 2]], clean[[0, 2]]) < 0.03
 
 
 @pytest.mark.parametrize(("flags", "fast"), [
@@ -123,7 +145,7 @@ def test_cloned_mlp_drafts_with_the_copy_and_leaves_the_target_alone(vllm_contex
     assert clone is not mlp and clone.act_fn is mlp.act_fn
     assert clone.gate_up_proj is not mlp.gate_up_proj
     assert mlp.gate_up_proj.quant_method is not clone.gate_up_proj.quant_method
-    assert relative_error(clone(x), target_out) < 0.03
+    assert relative_error(clone(x), target_out) < 0.05  # two int8 products (fbgemm: 7-bit weights)
     assert torch.equal(mlp(x), target_out)  # the target still runs its own weights
 
 

@@ -21,8 +21,7 @@ from tests.conftest import (
     greedy,
     identity_heads,
     run_tensor_parallel,
-    start_engine,
-    stop_engine,
+    tensor_parallel_engine,
 )
 
 SKIP_ONE = {"method": "draft_verify", "attn_skip": [1], "num_speculative_tokens": 3}
@@ -52,12 +51,7 @@ def test_mp_backend_draft_verify_then_cost_aware(tiny_llama_dir, tiny_llama_outp
     rank times the draft (the forwards hold collectives, so all must run them)
     and takes rank 0's costs, so both ranks budget, draft and count alike; the
     outputs are plain vLLM's both times."""
-    from vllm_selfspec.workers.profiling import WORKER_EXTENSION
-
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    llm = start_engine(SKIP_ONE, model=str(tiny_llama_dir), tensor_parallel_size=2,
-                       worker_extension_cls=WORKER_EXTENSION)
-    try:
+    with tensor_parallel_engine(SKIP_ONE, tiny_llama_dir, monkeypatch) as llm:
         acceptance = Acceptance()
         forced_outputs = greedy(llm, test_prompts[:8], 8, acceptance=acceptance)
         forced_counters = llm.collective_rpc("selfspec_counters")
@@ -65,8 +59,6 @@ def test_mp_backend_draft_verify_then_cost_aware(tiny_llama_dir, tiny_llama_outp
             llm.collective_rpc("selfspec_set_option", args=(name, value))
         cost_aware_outputs = greedy(llm, test_prompts[:8], 8)
         first, second = llm.collective_rpc("selfspec_counters")
-    finally:
-        stop_engine(llm)
     assert forced_outputs == cost_aware_outputs == tiny_llama_outputs
     assert acceptance.drafted > 50
     assert forced_counters[0] == forced_counters[1] and forced_counters[0]["rounds"] > 8

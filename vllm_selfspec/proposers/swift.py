@@ -181,7 +181,7 @@ class SwiftProposer(SelfSpecProposer):
         self.engine_steps = 0
         self.optimise_seconds = 0.0  # for reports only, never for decisions
         self.next_search_round = 0  # cost-aware: the engine round a step may score in
-        self.futile_rounds = 0  # cost-aware: rounds no set could have paid in
+        self.futile_rounds = 0  # cost-aware: rounds that would have scored had any set been able to pay
         from vllm.config import CompilationMode
 
         self.eager = self.vllm_config.compilation_config.mode == CompilationMode.NONE
@@ -282,15 +282,16 @@ class SwiftProposer(SelfSpecProposer):
         """One optimisation step for the first task (by name) still searching
         that has a request with a full window; with `costs` (cost-aware), only
         where a candidate can pay (`search_outlook`). True if it scored."""
-        futile = costs is not None and self.outlook(None, costs) == "futile"
-        self.futile_rounds += futile
-        for task in [] if futile else sorted(set(tasks)):
+        for task in sorted(set(tasks)):
             search = self.search_for(task)
             if search.done:
                 continue
             row = self.scoring_row(task, req_ids, tasks, verified)
             if row is None:
                 continue
+            if costs is not None and self.outlook(None, costs) == "futile":
+                self.futile_rounds += 1
+                return False
             if self.window_owner.get(task) != req_ids[row]:
                 self.window_owner[task] = req_ids[row]
                 score = self.matchness(search.incumbent, row, verified)
