@@ -181,7 +181,8 @@ class SwiftProposer(SelfSpecProposer):
         self.engine_steps = 0
         self.optimise_seconds = 0.0  # for reports only, never for decisions
         self.next_search_round = 0  # cost-aware: the engine round a step may score in
-        self.futile_rounds = 0  # cost-aware: rounds that would have scored had any set been able to pay
+        # cost-aware: rounds that would have scored had any set been able to pay
+        self.futile_rounds = 0
         from vllm.config import CompilationMode
 
         self.eager = self.vllm_config.compilation_config.mode == CompilationMode.NONE
