@@ -133,6 +133,8 @@ def test_int8_falls_back_only_where_vllms_kernel_has_no_fast_path(monkeypatch, f
 def test_cloned_mlp_drafts_with_the_copy_and_leaves_the_target_alone(vllm_context):
     from vllm.model_executor.models.llama import LlamaMLP
 
+    from vllm_selfspec.workers import draft_weights
+
     torch.manual_seed(0)
     mlp = LlamaMLP(hidden_size=128, intermediate_size=256, hidden_act="silu")
     for linear in (mlp.gate_up_proj, mlp.down_proj):
@@ -145,7 +147,9 @@ def test_cloned_mlp_drafts_with_the_copy_and_leaves_the_target_alone(vllm_contex
     assert clone is not mlp and clone.act_fn is mlp.act_fn
     assert clone.gate_up_proj is not mlp.gate_up_proj
     assert mlp.gate_up_proj.quant_method is not clone.gate_up_proj.quant_method
-    assert relative_error(clone(x), target_out) < 0.05  # two int8 products (fbgemm: 7-bit weights)
+    # Two int8 products; fbgemm's copies have 7-bit weights.
+    bound = 0.05 if draft_weights.int8_runs_fbgemm() else 0.03
+    assert relative_error(clone(x), target_out) < bound
     assert torch.equal(mlp(x), target_out)  # the target still runs its own weights
 
 
