@@ -99,20 +99,38 @@ def test_kernels_over_the_copy_match_the_dense_product(vllm_context, monkeypatch
 
 
 def test_fbgemm_int8_gives_nan_rows_where_its_input_has_them(vllm_context, monkeypatch):
-    """vLLM's warm-up forward reads an uninitialised KV cache: a NaN row must
-    not take the engine down (fbgemm raises on one), nor spoil the others."""
+    """vLLM's warm-up forward reads an uninitialised KV cache: a NaN (or inf)
+    row must not take the engine down (fbgemm raises on one), nor spoil the
+    others."""
     from vllm_selfspec.workers import draft_weights
 
     monkeypatch.setattr(draft_weights, "vllm_int8_is_fast", lambda: False)
     weight = torch.randn(64, 128) * 0.02
     linear = Int8Linear(weight, None, [64])
-    x = torch.randn(3, 128)
+    x = torch.randn(4, 128)
     clean = linear(x)
-    x[1, 5] = float("nan")
+    x[1, 5], x[3, 7] = float("nan"), float("inf")
     out = linear(x)
-    assert out[1].isnan().all()
-    # Activations are quantised over the rows' common range, so not equal.
-    assert relative_error(out[[0, 2]], clean[[0, 2]]) < 0.03
+    assert out[[1, 3]].isnan().all()
+    assert torch.equal(out[[0, 2]], clean[[0, 2]])
+
+
+def test_fbgemm_int8_rows_do_not_depend_on_their_batch(vllm_context, monkeypatch):
+    """fbgemm quantises a call's rows over one range; each row is mapped onto
+    its own [0, 1] first, so a request's draft is the same in any batch (and
+    seeded samples reproduce whatever the batch)."""
+    from vllm_selfspec.workers import draft_weights
+
+    monkeypatch.setattr(draft_weights, "vllm_int8_is_fast", lambda: False)
+    torch.manual_seed(0)
+    weight = torch.randn(64, 128) * 0.02
+    linear = Int8Linear(weight, None, [64])
+    x = torch.randn(5, 128) * torch.tensor([1.0, 30.0, 0.01, 5.0, 1.0]).view(-1, 1)
+    x[4] += 3.0  # a row that does not span zero
+    batched = linear(x)
+    for row in range(5):
+        assert torch.equal(linear(x[row:row + 1]), batched[row:row + 1]), row
+    assert relative_error(batched, x @ weight.t()) < 0.03
 
 
 @pytest.mark.parametrize(("flags", "fast"), [

@@ -118,7 +118,15 @@ class DynamicInt8Kernel:
     plain vLLM (docs/results.md). The prepacked weight is
     an opaque object, so the call goes through a vLLM custom op keyed by the
     layer's index in `FBGEMM_WEIGHTS`, which torch.compile leaves alone. The
-    same calls as vLLM's kernels, so `Int8Linear` runs either."""
+    same calls as vLLM's kernels, so `Int8Linear` runs either.
+
+    fbgemm quantises all rows of a call over one range, which would make a
+    request's draft depend on its batch. Each row is first mapped affinely
+    onto [0, 1] (x = lo + span * u) and the product taken as
+    span * (u W^T) + lo * rowsum(W): every row spans [0, 1] exactly, so every
+    call's range is [0, 1] and each row is quantised over its own range, the
+    same alone as in any batch; the mapping runs outside the op, so compiled
+    drafts fuse it."""
 
     max_level = 63
 
@@ -135,13 +143,25 @@ class DynamicInt8Kernel:
             torch.backends.quantized.engine = previous
         layer.fbgemm_index = len(FBGEMM_WEIGHTS)
         FBGEMM_WEIGHTS.append((packed, channels))
+        # The quantised weight's row sums, for rows offset by their minimum.
+        layer.weight_row_sums = nn.Parameter(
+            layer.weight.float().sum(dim=1) * layer.weight_scale.view(-1),
+            requires_grad=False)
         # fbgemm keeps its own packed copy; the int8 tensor is no longer read.
         layer.weight = nn.Parameter(layer.weight.new_empty(0), requires_grad=False)
 
     def apply_weights(self, layer: nn.Module, x: torch.Tensor,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-        out = torch.ops.vllm.selfspec_fbgemm_int8_linear(rows, layer.fbgemm_index)
+        rows = x.reshape(-1, x.shape[-1]).float()
+        low, high = torch.aminmax(rows, dim=1, keepdim=True)
+        span = high - low
+        # fbgemm raises on a NaN (vLLM's warm-up reads an uninitialised KV
+        # cache): such rows go in as zeros and come out NaN (span * 0).
+        unit = torch.where(torch.isfinite(span),
+                           (rows - low) / span.clamp(min=torch.finfo(torch.float32).tiny),
+                           0.0).contiguous()  # each finite row spans [0, 1] exactly
+        out = torch.ops.vllm.selfspec_fbgemm_int8_linear(unit, layer.fbgemm_index)
+        out = span * out + low * layer.weight_row_sums
         out = out.to(x.dtype).view(*x.shape[:-1], -1)
         return out if bias is None else out + bias
 
@@ -152,15 +172,7 @@ FBGEMM_WEIGHTS: list[tuple[torch.ScriptObject, int]] = []
 
 
 def _fbgemm_int8_linear(rows: torch.Tensor, index: int) -> torch.Tensor:
-    """fbgemm refuses a NaN in its input (vLLM's warm-up runs over an
-    uninitialised KV cache): such rows give NaN, as a float matmul would."""
-    packed = FBGEMM_WEIGHTS[index][0]
-    finite = torch.isfinite(rows).all(dim=1)
-    if bool(finite.all()):
-        return torch.ops.quantized.linear_dynamic(rows, packed, False)
-    out = rows.new_full((rows.shape[0], FBGEMM_WEIGHTS[index][1]), float("nan"))
-    out[finite] = torch.ops.quantized.linear_dynamic(rows[finite], packed, False)
-    return out
+    return torch.ops.quantized.linear_dynamic(rows, FBGEMM_WEIGHTS[index][0], False)
 
 
 def _fbgemm_int8_linear_fake(rows: torch.Tensor, index: int) -> torch.Tensor:
