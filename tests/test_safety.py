@@ -318,7 +318,8 @@ def test_batch_drafts_only_when_the_drafting_rows_pay_for_the_whole_batch():
 def test_round_clock_fits_fixed_and_per_draft_costs_from_steady_rounds():
     """Rounds timed as 1 + F + k w plain steps give back F and w; one draft
     count alone leaves F to the rest after the prior's w; the nearest batch
-    size's costs serve a batch size never timed; windows stay bounded."""
+    size's costs serve a batch size never timed in its bucket only; windows
+    stay bounded."""
     from vllm_selfspec.workers.draft_payoff import RoundClock, StepCosts, costs_for
 
     plain_s, overhead, per_draft = 0.02, 0.3, 0.25
@@ -334,7 +335,13 @@ def test_round_clock_fits_fixed_and_per_draft_costs_from_steady_rounds():
     costs = clock.costs(prior)[1]
     assert abs(costs.per_draft - per_draft) < 0.02
     assert abs(costs.round_overhead - overhead) < 0.05
-    assert costs_for(clock.costs(prior), 6) == costs  # nearest batch size timed
+    # The nearest batch size timed serves within its bucket (1, 2, 3-4, 5-8):
+    # batch 1's costs never decide at batch 4 (a batch-4 round drafts nothing
+    # until a plain step there is timed).
+    clock.record_plain(5, plain_s * 1.2, round_index=40)
+    assert costs_for(clock.costs(prior), 1) == costs
+    assert costs_for(clock.costs(prior), 4) is None and costs_for(clock.costs(prior), 9) is None
+    assert costs_for(clock.costs(prior), 8) == clock.costs(prior)[5] != costs
 
     single = RoundClock()
     for i in range(5):

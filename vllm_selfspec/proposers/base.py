@@ -605,7 +605,7 @@ class SelfSpecProposer(DraftModelProposer):
         """This round's costs from the engine's timed rounds, the same on every
         tensor-parallel rank (rank 0's, shared on the round clock); None when
         this round should draft nothing to time a plain step (none timed yet,
-        or the newest is old)."""
+        none at a batch size of this one's bucket, or the newest is old)."""
         from vllm.distributed import get_tp_group
 
         rounds = self.counters.rounds

@@ -33,7 +33,9 @@ F and w come from the engine's own rounds (`RoundClock`): wall time from one
 round's drafting to the next, which is everything a plain vLLM step also pays
 (scheduling, the forward, sampling, output handling) plus what drafting adds.
 Rounds that verified nothing time a plain step; rounds that drafted k tokens
-time 1 + F + k w of them. Until those exist, a profiling-mode estimate of w
+time 1 + F + k w of them. Costs are per batch size and stand in only for batch
+sizes of the same bucket (1, 2, 3-4, 5-8, ...): at a bucket with no plain step
+timed yet, a round drafts nothing, so it is timed. Until those exist, a profiling-mode estimate of w
 (`StepCosts` from forward timings alone) stands in. Lookup drafts run no draft
 step: rounds whose drafts were all looked up time 1 + F_l + n v plain steps for
 n looked-up tokens, which give a looked-up token's cost v and a lookup round's
@@ -353,10 +355,21 @@ def fit_lookup_costs(drafts: list[int], extra: list[float], costs: StepCosts) ->
     return dataclasses.replace(costs, per_verified=line[0], lookup_overhead=line[1])
 
 
-def costs_for(costs: dict[int, StepCosts], batch_size: int) -> StepCosts:
-    """The costs measured at the batch size nearest `batch_size`."""
-    return costs[_nearest(costs, batch_size)]
+def batch_bucket(batch_size: int) -> int:
+    """Batch sizes whose costs may stand for each other: 1, 2, 3-4, 5-8, ...
+    Drafting's cost relative to a plain step changes with the batch (on a
+    compute-bound CPU a batch-4 verification of 5 tokens each costs far more
+    plain steps than a batch-1 one), so batch 1's costs must not decide at 4."""
+    return (batch_size - 1).bit_length()
 
 
-def _nearest(table: dict[int, object], batch_size: int) -> int | None:
-    return min(table, key=lambda key: (abs(key - batch_size), key), default=None)
+def costs_for(costs: dict[int, StepCosts], batch_size: int) -> StepCosts | None:
+    """The costs measured at the batch size nearest `batch_size` within its
+    bucket (`batch_bucket`); None when none was timed there."""
+    key = _nearest([size for size in costs if batch_bucket(size) == batch_bucket(batch_size)],
+                   batch_size)
+    return None if key is None else costs[key]
+
+
+def _nearest(sizes, batch_size: int) -> int | None:
+    return min(sizes, key=lambda key: (abs(key - batch_size), key), default=None)
