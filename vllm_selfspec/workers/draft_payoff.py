@@ -33,10 +33,11 @@ F and w come from the engine's own rounds (`RoundClock`): wall time from one
 round's drafting to the next, which is everything a plain vLLM step also pays
 (scheduling, the forward, sampling, output handling) plus what drafting adds.
 Rounds that verified nothing time a plain step; rounds that drafted k tokens
-time 1 + F + k w of them. Costs are per batch size and stand in only for batch
-sizes of the same bucket (1, 2, 3-4, 5-8, ...): at a bucket with no plain step
-timed yet, a round drafts nothing, so it is timed. Until those exist, a profiling-mode estimate of w
-(`StepCosts` from forward timings alone) stands in. Lookup drafts run no draft
+time 1 + F + k w of them. Until those exist, a profiling-mode estimate of w
+(`StepCosts` from forward timings alone) stands in. Costs are per batch size
+and stand in only for batch sizes of the same bucket (1, 2, 3-4, 5-8, ...): at
+a bucket with no plain step timed yet, a round drafts nothing, so one is
+timed. Lookup drafts run no draft
 step: rounds whose drafts were all looked up time 1 + F_l + n v plain steps for
 n looked-up tokens, which give a looked-up token's cost v and a lookup round's
 fixed extra F_l (`fit_lookup_costs`). Every input of a decision
