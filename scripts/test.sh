@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --no-run
-exec .venv/bin/python -m pytest -q --durations=25 "$@"
+exec .venv/bin/python -m pytest -q --durations=0 --durations-min=10 "$@"

@@ -99,26 +99,30 @@ def tiny_llama_dir(tmp_path_factory, model_dir) -> Path:
     return path
 
 
+FIRST_LAYERS = 4
+
+
 @pytest.fixture(scope="session")
 def smollm2_first_layers_dir(tmp_path_factory, model_dir) -> Path:
-    """SmolLM2 cut to its first 8 layers (its own weights, so drafts still get
-    accepted): a compiled engine of it starts in about 2 minutes, not 5."""
+    """SmolLM2 cut to its first FIRST_LAYERS layers (its own weights, so
+    drafts still get accepted): a compiled engine of it starts in about a
+    minute, not 5."""
     import json
     import re
 
     from safetensors.torch import load_file, save_file
 
-    path = tmp_path_factory.mktemp("smollm2-8-layers")
+    path = tmp_path_factory.mktemp(f"smollm2-{FIRST_LAYERS}-layers")
     for source in model_dir.iterdir():
         if source.suffix != ".safetensors":
             shutil.copy(source, path / source.name)
             continue
         kept = {name: tensor for name, tensor in load_file(source).items()
                 if (match := re.search(r"layers\.(\d+)\.", name)) is None
-                or int(match.group(1)) < 8}
+                or int(match.group(1)) < FIRST_LAYERS}
         save_file(kept, path / source.name, metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 8}))
+    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": FIRST_LAYERS}))
     return path
 
 

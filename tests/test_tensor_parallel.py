@@ -1,14 +1,16 @@
 """Every method at tensor parallel 2 on the CPU, on a random 3-layer Llama
-(SmolLM2's 9 heads do not split in two): the mp backend offline (DEL's and
-SWIFT's are in their own modules, with their adaptive state compared rank by
-rank), and `vllm serve --distributed-executor-backend ray` (SWIFT) on
-a local Ray instance on loopback (vLLM's RayExecutorV2, `SELFSPEC_RAY_CPU=1`).
-Outputs equal plain vLLM's; both ranks drafted the same tokens the same way."""
+(SmolLM2's 9 heads do not split in two): the mp backend offline (DEL's is in
+its own module, with its statistics compared rank by rank), and
+`vllm serve --distributed-executor-backend ray` (SWIFT, its search compared
+rank by rank) on a local Ray instance on loopback (vLLM's RayExecutorV2,
+`SELFSPEC_RAY_CPU=1`). Outputs equal plain vLLM's; both ranks drafted the same
+tokens the same way."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -86,7 +88,8 @@ def test_ray_executor_serves_swift(local_ray, tiny_llama_dir, tiny_llama_outputs
     """All four methods passed over Ray when written; the suite keeps SWIFT,
     whose search state must agree across actors through a broadcast every
     search step, to stay inside CI's time (DEL's statistics agree rank by rank
-    with the mp backend in test_del.py)."""
+    with the mp backend in test_del.py). Both actors hold the same search and
+    draft with the same set."""
     from serving import vllm_serve
 
     args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
@@ -96,16 +99,24 @@ def test_ray_executor_serves_swift(local_ray, tiny_llama_dir, tiny_llama_outputs
            "VLLM_CPU_KVCACHE_SPACE": "1"}
     with vllm_serve(tiny_llama_dir, forced(SWIFT), tmp_path / "serve.log", args, env=env,
                     dev_mode=True) as server:
-        outputs = [requests.post(f"{server.url}/v1/completions", json={
-            "model": str(tiny_llama_dir), "prompt": prompt, "max_tokens": PARITY_TOKENS,
-            "temperature": 0, "ignore_eos": True}, timeout=300).json()["choices"][0]["text"]
-            for prompt in test_prompts[:8]]
+        def complete(prompt: str) -> str:
+            return requests.post(f"{server.url}/v1/completions", json={
+                "model": str(tiny_llama_dir), "prompt": prompt, "max_tokens": PARITY_TOKENS,
+                "temperature": 0, "ignore_eos": True}, timeout=300).json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(8) as clients:  # batched, as the mp tests' requests
+            outputs = list(clients.map(complete, test_prompts[:8]))
         counters = server.collective_rpc("selfspec_counters")
         states = server.collective_rpc("selfspec_state")
+        searches = server.collective_rpc("selfspec_search")
         drafted, _, _ = server.spec_counters()
     assert outputs == tiny_llama_outputs
     assert drafted > 20
     assert len(counters) == 2 and counters[0] == counters[1] and counters[0]["rounds"] > 8
+    for search in searches:
+        search.pop("optimise_seconds")
+    assert searches[0] == searches[1]
+    assert searches[0]["tasks"]["default"]["iterations"] >= 5
     # Each rank ran in its own Ray actor, with our drafter in it.
     actors = {state["ray_actor"] for state in states}
     assert len(actors) == 2 and None not in actors, states
