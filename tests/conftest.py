@@ -193,6 +193,23 @@ def test_prompts(model_dir) -> list[str]:
     return [*mixed, long_code, long_code + "\n# And a test:\n"]
 
 
+# Draft & Verify with a skip set that drafts badly (verification rejects and
+# rolls back a lot) and lookup drafts on, which then stand out by their
+# acceptance; requests without a match self-draft.
+SKIP_SET_WITH_LOOKUP = {"method": "draft_verify", "num_speculative_tokens": 4,
+                        "attn_skip": [5, 9, 13, 17, 21, 25], "mlp_skip": [8, 14, 20, 26],
+                        "lookup": {"min_match": 3}}
+
+
+@pytest.fixture(scope="session")
+def skip_set_with_lookup():
+    """One engine for test_draft_verify.py and test_lookup.py (an engine start
+    saved); they run one after the other."""
+    llm = start_engine(SKIP_SET_WITH_LOOKUP)
+    yield llm
+    stop_engine(llm)
+
+
 @pytest.fixture(scope="session")
 def plain():
     """Plain vLLM, the reference every method's outputs are compared with."""

@@ -1,5 +1,7 @@
 """Draft & Verify on the real engine: lossless greedy and sampling, full-depth
-acceptance, chunked prefill, prefix caching and KV block boundaries.
+acceptance, chunked prefill, prefix caching and KV block boundaries. The
+skip-set engine has lookup drafts on (shared with test_lookup.py), so its
+parity covers requests that look up and requests that self-draft in one batch.
 
 Engines run SmolLM2-135M in float32 with 32-token KV blocks and a 256-token
 batch budget, so the 32 generated tokens cross a block boundary and prompts longer
@@ -22,56 +24,45 @@ from tests.conftest import (
 )
 from vllm_selfspec.workers.profiling import WORKER_EXTENSION
 
-# A skip set in the spirit of the shipped searched one: drafts are often wrong,
-# so verification rejects and rolls back a lot.
-SKIPPING = {"method": "draft_verify", "num_speculative_tokens": 4,
-            "attn_skip": [5, 9, 13, 17, 21, 25], "mlp_skip": [8, 14, 20, 26]}
 FULL_DEPTH = {"method": "draft_verify", "num_speculative_tokens": 4,
               "adaptive_threshold": False, "threshold": 0.0}
 
 
-def _engine(spec):
-    llm = start_engine(spec)
+@pytest.fixture(scope="module")
+def full_depth():
+    llm = start_engine(FULL_DEPTH)
     yield llm
     stop_engine(llm)
 
 
-@pytest.fixture(scope="module")
-def skipping():
-    yield from _engine(SKIPPING)
-
-
-@pytest.fixture(scope="module")
-def full_depth():
-    yield from _engine(FULL_DEPTH)
-
-
 @pytest.mark.parametrize("batch_size", [1, 8])
-def test_greedy_output_identical_to_plain_vllm(skipping, plain_outputs, test_prompts,
-                                               batch_size):
-    assert_greedy_parity_with_rejections(skipping, plain_outputs, test_prompts, batch_size)
+def test_greedy_output_identical_to_plain_vllm(skip_set_with_lookup, plain_outputs,
+                                               test_prompts, batch_size):
+    assert_greedy_parity_with_rejections(skip_set_with_lookup, plain_outputs, test_prompts,
+                                         batch_size)
 
 
 def test_full_depth_drafts_are_all_accepted(full_depth, plain_outputs, test_prompts):
     assert_every_draft_accepted(full_depth, plain_outputs, test_prompts)
 
 
-def test_prefix_cache_hits_keep_outputs(skipping, plain_outputs, test_prompts):
+def test_prefix_cache_hits_keep_outputs(skip_set_with_lookup, plain_outputs, test_prompts):
     """Prompts sharing long prefixes, run again once the cache holds them."""
     from vllm import SamplingParams
 
     shared = [p + suffix for p in test_prompts[-2:] for suffix in ("", "\n", "\n\n")]
     params = SamplingParams(temperature=0.0, max_tokens=PARITY_TOKENS, ignore_eos=True)
-    first = skipping.generate(shared, params, use_tqdm=False)
-    second = skipping.generate(shared, params, use_tqdm=False)
+    first = skip_set_with_lookup.generate(shared, params, use_tqdm=False)
+    second = skip_set_with_lookup.generate(shared, params, use_tqdm=False)
     assert all(output.num_cached_tokens >= 128 for output in second)
     texts = [output.outputs[0].text for output in second]
     assert texts == [output.outputs[0].text for output in first]
     assert texts[0] == plain_outputs[8][-2] and texts[3] == plain_outputs[8][-1]
 
 
-def test_sampling_keeps_the_target_distribution_also_after_rejections(skipping, plain):
-    assert_same_sampling_distribution(skipping, plain, after_rejections=True)
+def test_sampling_keeps_the_target_distribution_also_after_rejections(skip_set_with_lookup,
+                                                                       plain):
+    assert_same_sampling_distribution(skip_set_with_lookup, plain, after_rejections=True)
 
 
 

@@ -1,27 +1,15 @@
 """Lookup drafts on the real engine: a request whose output copies its prompt
 drafts from its own text, one that does not self-drafts, each request's
-summary says where its tokens came from, and outputs stay plain vLLM's at
-batch 1 and 8."""
+summary says where its tokens came from, and outputs stay plain vLLM's (at
+batch 1 and 8 in test_draft_verify.py, on the same engine)."""
 
 from __future__ import annotations
 
-import pytest
+from tests.conftest import Acceptance, greedy
 
-from tests.conftest import Acceptance, greedy, prompts_at, start_engine, stop_engine
-
-# A skip set that drafts badly, so a lookup draft stands out by its acceptance.
-SPEC = {"method": "draft_verify", "num_speculative_tokens": 4, "lookup": {"min_match": 3},
-        "attn_skip": [5, 9, 13, 17, 21, 25], "mlp_skip": [8, 14, 20, 26]}
 PASSAGE = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles "
            "begins with a single step. All that glitters is not gold. ")
 COPY = f"Repeat the text three times.\n{PASSAGE}\n{PASSAGE}\n"
-
-
-@pytest.fixture(scope="module")
-def lookup():
-    llm = start_engine(SPEC)
-    yield llm
-    stop_engine(llm)
 
 
 def test_lookup_drafts_continue_an_earlier_match():
@@ -65,17 +53,11 @@ def test_the_matcher_is_compiled_at_start_up_for_vllms_token_dtype():
     assert compiled == recorded
 
 
-@pytest.mark.parametrize("batch_size", [1, 8])
-def test_greedy_output_identical_to_plain_vllm(lookup, plain_outputs, test_prompts,
-                                               batch_size):
-    outputs = greedy(lookup, prompts_at(test_prompts, batch_size), batch_size)
-    assert outputs == plain_outputs[batch_size]
-
-
-def test_a_copying_request_drafts_from_its_own_text(lookup, plain):
+def test_a_copying_request_drafts_from_its_own_text(skip_set_with_lookup, plain):
     """...and its per-request summary says so, adding up to vLLM's own counts."""
     acceptance = Acceptance()
-    (copied,) = greedy(lookup, [COPY], 1, max_tokens=64, acceptance=acceptance)
+    (copied,) = greedy(skip_set_with_lookup, [COPY], 1, max_tokens=64,
+                       acceptance=acceptance)
     assert copied == greedy(plain, [COPY], 1, max_tokens=64)[0]
     sources = acceptance.sources
     assert sources["lookup_rounds"] >= 5, sources
@@ -85,10 +67,11 @@ def test_a_copying_request_drafts_from_its_own_text(lookup, plain):
     assert sources["self_rounds"] + sources["lookup_rounds"] >= acceptance.rounds
 
 
-def test_a_request_without_repeats_self_drafts(lookup, plain):
+def test_a_request_without_repeats_self_drafts(skip_set_with_lookup, plain):
     prompt = "Name a colour:"
     acceptance = Acceptance()
-    (text,) = greedy(lookup, [prompt], 1, max_tokens=6, acceptance=acceptance)
+    (text,) = greedy(skip_set_with_lookup, [prompt], 1, max_tokens=6,
+                     acceptance=acceptance)
     assert text == greedy(plain, [prompt], 1, max_tokens=6)[0]
     assert acceptance.sources["lookup_rounds"] == 0, acceptance.sources
     assert acceptance.sources["self_rounds"] + acceptance.sources["none_rounds"] > 0

@@ -114,11 +114,12 @@ class DynamicInt8Kernel:
     fbgemm's usual fix: 0.86; PyTorch's weight-only int8 kernel: 0.97). Over
     SmolLM2's linears and a reduced head, one thread, on a 2-core AVX2 CPU:
     0.4-0.45x the time of the float32 pass, where the weight-only kernel took
-    0.6x and vLLM's 3.5x; a full-depth draft there went from 1.09x to 1.23x
-    plain vLLM (docs/results.md). The prepacked weight is
-    an opaque object, so the call goes through a vLLM custom op keyed by the
-    layer's index in `FBGEMM_WEIGHTS`, which torch.compile leaves alone. The
-    same calls as vLLM's kernels, so `Int8Linear` runs either.
+    0.6x and vLLM's 3.5x; a full-depth draft there went from 1.09x to
+    1.23-1.43x plain vLLM (one start each, docs/results.md). The prepacked
+    weight is an opaque object (torch.compile cannot trace a call taking it),
+    so the call goes through a vLLM custom op keyed by the layer's index in
+    `FBGEMM_WEIGHTS`, which torch.compile leaves alone. The same calls as
+    vLLM's kernels, so `Int8Linear` runs either.
 
     fbgemm quantises all rows of a call over one range, which would make a
     request's draft depend on its batch. Each row is first mapped affinely
