@@ -65,7 +65,6 @@ def test_sampling_keeps_the_target_distribution_also_after_rejections(skip_set_w
     assert_same_sampling_distribution(skip_set_with_lookup, plain, after_rejections=True)
 
 
-
 def test_cost_aware_drafting_declines_where_drafts_lose(plain_outputs, test_prompts):
     """A draft through layer 0 alone is cheap but seldom right: the budget
     drafts at most a token where a request's own record says it may pay and

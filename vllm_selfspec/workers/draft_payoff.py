@@ -37,12 +37,11 @@ time 1 + F + k w of them. Until those exist, a profiling-mode estimate of w
 (`StepCosts` from forward timings alone) stands in. Costs are per batch size
 and stand in only for batch sizes of the same bucket (1, 2, 3-4, 5-8, ...): at
 a bucket with no plain step timed yet, a round drafts nothing, so one is
-timed. Lookup drafts run no draft
-step: rounds whose drafts were all looked up time 1 + F_l + n v plain steps for
-n looked-up tokens, which give a looked-up token's cost v and a lookup round's
-fixed extra F_l (`fit_lookup_costs`). Every input of a decision
-is the same on every tensor-parallel rank (the proposer shares rank 0's
-costs), so every rank decides the same.
+timed. Lookup drafts run no draft step: rounds whose drafts were all looked up
+time 1 + F_l + n v plain steps for n looked-up tokens, which give a looked-up
+token's cost v and a lookup round's fixed extra F_l (`fit_lookup_costs`).
+Every input of a decision is the same on every tensor-parallel rank (the
+proposer shares rank 0's costs), so every rank decides the same.
 """
 
 from __future__ import annotations
