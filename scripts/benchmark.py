@@ -416,10 +416,12 @@ def summarize(runs: list[Run], num_layers: int, batch_size: int) -> list[dict]:
             forward_cost = run.step_costs["cost_ratio"]
             row["forward_cost_ratio"] = round(forward_cost, 3)
             row["sublayers_run"] = round(run.step_costs["fraction_of_sublayers_run"], 3)
-            row["ideal_speedup_forwards"] = round(
-                run.mean_accepted_length / (1 + run.drafts_per_round * forward_cost), 3)
+            # A setting that never drafted (it declined every round) has no S*.
+            if run.rounds:
+                row["ideal_speedup_forwards"] = round(
+                    run.mean_accepted_length / (1 + run.drafts_per_round * forward_cost), 3)
             costs = engine_round_costs(run, base, batch_size)
-            if costs is not None:
+            if costs is not None and run.rounds:
                 row["draft_step_cost_ratio"] = round(costs.per_draft, 3)
                 row["round_overhead"] = round(costs.round_overhead, 3)
                 ideal = run.mean_accepted_length / (

@@ -37,6 +37,21 @@ def test_several_starts_compare_each_with_plains_same_start():
     assert plain_row["speedup_spread"] == [round(80 / 90, 3), round(100 / 90, 3)]
 
 
+def test_a_setting_that_never_drafted_has_no_ideal_speedup():
+    """A method that declined every round (step costs measured, no round
+    drafted) is summarised with its speed and without S*: it crashed the
+    summary once, after a 38-minute run."""
+    plain, ours = run_with("plain", [[100, 100]]), run_with("del", [[95, 97]])
+    ours.speculative_config = {"method": "del"}
+    ours.step_costs = {"cost_ratio": 0.5, "fraction_of_sublayers_run": 0.4,
+                       "rounds": {"drafted": {}, "shared": {}},
+                       "draft_copy_bytes": 0, "model_bytes": 1}
+    _, row = summarize([plain, ours], num_layers=30, batch_size=1)
+    assert row["speedup"] == 0.96
+    assert row["forward_cost_ratio"] == 0.5 and row["mean_accepted_length"] is None
+    assert "ideal_speedup_forwards" not in row and "ideal_speedup_S*" not in row
+
+
 def test_step_pieces_count_decode_steps_only():
     """profile_step.py's timer: a step that schedules a new prompt is left
     out of every piece, so the pieces span what decode timestamps span."""
