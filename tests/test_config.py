@@ -7,6 +7,7 @@ import json
 import pytest
 from vllm.engine.arg_utils import EngineArgs
 
+from vllm_selfspec.config import CONFIGS_DIR
 from vllm_selfspec.proposers.draft_verify import DraftVerifyConfig
 
 
@@ -147,3 +148,19 @@ def test_vanilla_methods_untouched(model_dir):
     config = engine_config(model_dir, {"method": "ngram", "num_speculative_tokens": 3,
                                        "prompt_lookup_max": 2})
     assert type(config.speculative_config).__name__ == "SpeculativeConfig"
+
+
+@pytest.mark.parametrize("name", sorted(
+    path.name for path in (CONFIGS_DIR / "heads").iterdir() if path.is_dir()))
+def test_shipped_heads_are_whole_for_the_model_they_name(name):
+    """Every heads directory under configs/heads/ holds a d x d transform per
+    exit layer for the model its heads.json names (shapes and layers checked
+    as at start-up; the weights' identity needs the model, checked then)."""
+    from types import SimpleNamespace
+
+    from vllm_selfspec.workers.exit_heads import ExitHeads
+
+    heads = ExitHeads.open(str(CONFIGS_DIR / "heads" / name))
+    heads.check_shapes(SimpleNamespace(**heads.meta["model"]))
+    assert heads.exit_layers == sorted(set(heads.exit_layers))
+    assert heads.meta["model"]["name"] in name
