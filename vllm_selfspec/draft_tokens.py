@@ -14,3 +14,12 @@ def top1_probability(logits: torch.Tensor) -> torch.Tensor:
     full softmax over the vocabulary is materialised."""
     logits = logits.float()
     return torch.exp(logits.amax(dim=-1) - torch.logsumexp(logits, dim=-1))
+
+
+def top1(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's most likely token and its softmax probability, from one
+    float copy of the logits (an argmax over bf16 logits is a scalar loop on
+    the CPU, several times the float one)."""
+    logits = logits.float()
+    largest, token_ids = logits.max(dim=-1)
+    return token_ids, torch.exp(largest - torch.logsumexp(logits, dim=-1))
