@@ -102,3 +102,19 @@ def test_step_overhead_moves_the_choice_deeper():
     choice = stats.choose(30, 18, step_overhead=10)
     assert (choice.exit_layer, choice.max_drafts) == (22, 18)
     assert stats.choose(30, 18, step_overhead=100).max_drafts == 0  # 1/130 > 1.9/252
+
+
+def test_top1_is_the_argmax_and_its_softmax_probability():
+    """DEL's shadow tokens and confidences come from `top1` over bf16 logits."""
+    import torch
+
+    from vllm_selfspec.draft_tokens import top1, top1_probability
+
+    torch.manual_seed(0)
+    logits = (torch.randn(5, 1000) * 4).to(torch.bfloat16)
+    token_ids, probability = top1(logits)
+    reference = torch.softmax(logits.float(), dim=-1)
+    assert torch.equal(token_ids, logits.float().argmax(dim=-1))
+    assert torch.allclose(probability, reference.max(dim=-1).values, atol=1e-6)
+    assert torch.allclose(probability, top1_probability(logits))
+    assert probability.dtype == torch.float32

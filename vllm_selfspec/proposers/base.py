@@ -527,6 +527,9 @@ class SelfSpecProposer(DraftModelProposer):
             steps_run += 1
             positions = self._advance(positions, cad, batch_size)
             logits, is_draft = self.draft_step(round_tokens, positions, cad, step, drafting)
+            # One float copy for the argmax and the methods' confidence: over
+            # bf16 logits the CPU's argmax is a scalar loop, 4x the float one.
+            logits = logits.float()
             token_ids = logits.argmax(dim=-1)
             round_tokens = torch.cat([round_tokens, token_ids.view(batch_size, 1)], dim=1)
             if is_draft is not None:

@@ -503,8 +503,11 @@ class DraftHead(nn.Module):
             if pad:
                 logits = torch.nn.functional.pad(logits, (0, pad), value=float("-inf"))
             logits = tensor_model_parallel_all_gather(logits.contiguous())
-        full = logits.new_full((logits.shape[0], self.vocab_size + 1), float("-inf"))
-        full.index_copy_(1, self.token_ids, logits)
+        # Float, as the drafter reads it (`_draft_loop`): the subset's rows are
+        # converted, not the whole vocabulary.
+        full = torch.full((logits.shape[0], self.vocab_size + 1), float("-inf"),
+                          device=logits.device)
+        full.index_copy_(1, self.token_ids, logits.float())
         return full[:, : self.vocab_size]
 
 
