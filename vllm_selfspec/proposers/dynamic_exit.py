@@ -12,10 +12,11 @@ the layers below E).
 Shadow tokens cost no extra forward: the target returns the residual stream
 after each candidate exit layer (vLLM's EAGLE-3 auxiliary hidden states), and
 one LM-head pass over every candidate layer's head inputs at each request's
-valid positions of the forward that just ran (the accepted drafts and the bonus token; at prefill,
-the last `stat_positions` prompt positions) tells which layers would have
-predicted the tokens that followed, and how confidently. The candidate layers
-enter the compile hash: they change the target's graph.
+valid positions of the forward that just ran (the accepted drafts and the
+bonus token; at prefill, the last `stat_positions` prompt positions) tells
+which layers would have predicted the tokens that followed, and how
+confidently. The candidate layers enter the compile hash: they change the
+target's graph.
 
 TPL counts a forward's fixed cost (`step_overhead`, in layers), measured by
 default: on a CPU the LM head and the engine's per-step work cost several

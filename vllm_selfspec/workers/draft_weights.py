@@ -506,7 +506,7 @@ class DraftHead(nn.Module):
         # Float, as the drafter reads it (`_draft_loop`): the subset's rows are
         # converted, not the whole vocabulary.
         full = torch.full((logits.shape[0], self.vocab_size + 1), float("-inf"),
-                          device=logits.device)
+                          dtype=torch.float32, device=logits.device)
         full.index_copy_(1, self.token_ids, logits.float())
         return full[:, : self.vocab_size]
 
