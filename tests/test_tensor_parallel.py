@@ -140,3 +140,30 @@ def test_engine_configs_pickle(model_dir, spec):
     assert type(copy) is type(config)
     for name in ("method", *config.own_fields):
         assert getattr(copy, name) == getattr(config, name), name
+
+
+def test_mp_backend_int8_draft_over_a_vocabulary_subset(tiny_llama_dir, tiny_llama_outputs,
+                                                       test_prompts, monkeypatch, tmp_path):
+    """Each rank quantises its own shard of the layers and of the subset head's
+    rows; the shards' logits are all-gathered and scattered into the whole
+    vocabulary, so both ranks draft alike, and the outputs are plain vLLM's."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from vllm_selfspec.draft_vocab import save_vocab
+    from vllm_selfspec.workers.exit_heads import local_final_norm, model_identity
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    seen = sorted({t for text in tiny_llama_outputs for t in tokenizer.encode(text)})
+    identity = model_identity(AutoConfig.from_pretrained(tiny_llama_dir),
+                              local_final_norm(str(tiny_llama_dir)))
+    vocab = tmp_path / "tiny-vocab.json"
+    save_vocab(vocab, "tiny-llama", identity, seen, len(seen))
+    spec = {"method": "draft_verify", "num_speculative_tokens": 3,
+            "draft_precision": "int8", "draft_vocab": str(vocab)}
+    with tensor_parallel_engine(spec, tiny_llama_dir, monkeypatch) as llm:
+        acceptance = Acceptance()
+        outputs = greedy(llm, test_prompts[:8], 8, acceptance=acceptance)
+        first, second = llm.collective_rpc("selfspec_counters")
+    assert outputs == tiny_llama_outputs
+    assert acceptance.drafted > 20
+    assert first == second

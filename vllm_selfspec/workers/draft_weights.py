@@ -470,7 +470,8 @@ class DraftHead(nn.Module):
             return rows
         from vllm.distributed import tensor_model_parallel_all_gather
 
-        counts = tensor_model_parallel_all_gather(torch.tensor([rows], device=device))
+        counts = tensor_model_parallel_all_gather(
+            torch.tensor([rows], dtype=torch.float32, device=device))
         return int(counts.max())
 
     def _gather_ids(self, local: torch.Tensor) -> torch.Tensor:
@@ -483,7 +484,10 @@ class DraftHead(nn.Module):
             return padded
         from vllm.distributed import tensor_model_parallel_all_gather
 
-        return tensor_model_parallel_all_gather(padded.view(1, -1)).view(-1)
+        # As float32 (exact below 2**24 ids): vLLM's CPU all-gather (shared
+        # memory) has no int64 kernel.
+        gathered = tensor_model_parallel_all_gather(padded.view(1, -1).float())
+        return gathered.view(-1).long()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.linear is not None:
