@@ -12,6 +12,7 @@ cache) and times a pass through all of them for a batch of tokens:
   without VNNI or AMX, fbgemm's dynamic int8 linear, timed here in eager
   Python, ~50 us more per layer than in a compiled draft);
 - int8 (vLLM): vLLM's int8 kernel selector on any CPU;
+- int8 (fbgemm): fbgemm's dynamic int8 linear on any x86 CPU;
 - int4: the draft's W4A16 copy (vLLM's mixed-precision selector; where the
   vLLM build has no CPU kernel, the fallback);
 - int4 (PyTorch): the fallback, `aten._weight_int4pack_mm_for_cpu`, on any CPU;
@@ -62,6 +63,7 @@ def unquantized_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.T
 
 # Kinds that force one kernel: (the draft class, its kernel-choice function, its answer).
 FORCED = {"int8 (vLLM)": ("int8", "vllm_int8_is_fast", True),
+          "int8 (fbgemm)": ("int8", "vllm_int8_is_fast", False),
           "int4 (PyTorch)": ("int4", "vllm_int4_is_available", False)}
 
 
@@ -135,7 +137,7 @@ def main() -> None:
             del linears
     weights = layers * sum(n * k for n, k in shapes.values()) + sum(n * k for n, k in head)
     bytes_per_weight = {"plain": dtype.itemsize, "bf16 copy": 2, "int8": 1,
-                        "int8 (vLLM)": 1, "int4": 0.5, "int4 (PyTorch)": 0.5}
+                        "int8 (vLLM)": 1, "int8 (fbgemm)": 1, "int4": 0.5, "int4 (PyTorch)": 0.5}
     print(f"{args.model}: {layers} layers' linears{' and LM head' if head else ''} "
           f"({weights / 1e6:.0f} M weights), {args.dtype}, batch {args.batch_size}, "
           f"1 thread; CPU flags: {' '.join(cpu_flags())}")

@@ -284,6 +284,14 @@ def run_engine(run: Run, model_dir: Path, prompts: list[str], args) -> None:
     shutdown(llm)
 
 
+def engine_order(runs: list[Run], engine_starts: int) -> list[Run]:
+    """Every run once per start, in turn, each start beginning one place
+    further along: neither a slow spell of the machine nor a place in the
+    order (first after a previous engine's exit, say) lands on one method."""
+    return [runs[(start + place) % len(runs)] for start in range(engine_starts)
+            for place in range(len(runs))]
+
+
 def step_costs(llm, spec: dict | None) -> dict | None:
     """Our drafter's step and round costs (DEL: per exit; SWIFT: its search),
     and where a plain and a draft forward spend their time, by operator."""
@@ -599,7 +607,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--engine-starts", type=int, default=1,
-                        help="start every engine this many times, in turn; the spread is "
+                        help="start every engine this many times, in turn (each start one place "
+                             "further along the order); the spread is "
                              "then over starts (each against plain's same start), which "
                              "moves more than repeats within one start")
     parser.add_argument("--dtype", default=fast_dtype(),
@@ -662,9 +671,7 @@ def main() -> None:
     if "plain" not in chosen:
         chosen.insert(0, "plain")
     runs = [Run(name, configs[name]) for name in chosen]
-    # Several starts go round the engines in turn, so a slow spell of the
-    # machine does not land on one method.
-    for run in tqdm(runs * args.engine_starts, desc="engines", file=CONSOLE):
+    for run in tqdm(engine_order(runs, args.engine_starts), desc="engines", file=CONSOLE):
         run_engine(run, model_dir, prompts, args)
     if args.del_step_overhead is not None:
         runs.append(del_with_step_overhead(model_dir, prompts, args))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmark import Run, summarize
+from benchmark import Run, engine_order, summarize
 
 
 def run_with(name: str, starts: list[list[float]]) -> Run:
@@ -16,6 +16,14 @@ def run_with(name: str, starts: list[list[float]]) -> Run:
         run.start_tokens_per_s.append(sum(repeats) / len(repeats))
     run.decode_tokens = run.generated = 10  # one token per target forward
     return run
+
+
+def test_engine_starts_rotate_the_order():
+    """Each start runs every engine once, and each engine takes every place."""
+    runs = [Run(name, None) for name in ("plain", "a", "b")]
+    order = [run.name for run in engine_order(runs, engine_starts=4)]
+    assert order == ["plain", "a", "b", "a", "b", "plain", "b", "plain", "a",
+                     "plain", "a", "b"]
 
 
 def test_one_start_spreads_over_its_repeats():
