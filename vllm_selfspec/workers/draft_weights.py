@@ -424,6 +424,15 @@ def replace_linears(module: nn.Module, replace: Callable[[nn.Module], nn.Module]
 
 
 # --- the draft head ---------------------------------------------------------
+def _all_gather_ints(values: torch.Tensor) -> torch.Tensor:
+    """Every tensor-parallel rank's `values` (1-D, non-negative integers below
+    2**24), concatenated in rank order. They travel as float32, exact in that
+    range: vLLM's CPU all-gather (shared memory) has no int64 kernel."""
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    return tensor_model_parallel_all_gather(values.view(1, -1).float()).view(-1).long()
+
+
 class DraftHead(nn.Module):
     """The target's LM head for drafts: its rows for a token subset (all of
     the rank's vocabulary shard without one), at the draft's precision.
@@ -468,11 +477,7 @@ class DraftHead(nn.Module):
     def _padded_rows(self, rows: int, device: torch.device) -> int:
         if self.tp_size == 1:
             return rows
-        from vllm.distributed import tensor_model_parallel_all_gather
-
-        counts = tensor_model_parallel_all_gather(
-            torch.tensor([rows], dtype=torch.float32, device=device))
-        return int(counts.max())
+        return int(_all_gather_ints(torch.tensor([rows], device=device)).max())
 
     def _gather_ids(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's token ids, each padded to `padded_rows` with the
@@ -482,12 +487,7 @@ class DraftHead(nn.Module):
         padded[: local.numel()] = local
         if self.tp_size == 1:
             return padded
-        from vllm.distributed import tensor_model_parallel_all_gather
-
-        # As float32 (exact below 2**24 ids): vLLM's CPU all-gather (shared
-        # memory) has no int64 kernel.
-        gathered = tensor_model_parallel_all_gather(padded.view(1, -1).float())
-        return gathered.view(-1).long()
+        return _all_gather_ints(padded)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.linear is not None:
