@@ -152,12 +152,10 @@ def tensor_parallel_engine(spec: dict, model_dir: Path, monkeypatch):
 
 
 def run_tensor_parallel(spec: dict, model_dir: Path, prompts: list[str], monkeypatch,
-                        report_rpc: str, start_rpc: tuple[str, tuple] | None = None):
+                        report_rpc: str):
     """Greedy outputs of `spec` at TP=2, their acceptance, and every rank's
     answer to the worker method `report_rpc`."""
     with tensor_parallel_engine(spec, model_dir, monkeypatch) as llm:
-        if start_rpc is not None:
-            llm.collective_rpc(start_rpc[0], args=start_rpc[1])
         acceptance = Acceptance()
         outputs = greedy(llm, prompts, 8, acceptance=acceptance)
         reports = llm.collective_rpc(report_rpc)

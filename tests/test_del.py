@@ -8,12 +8,14 @@ import pytest
 
 from tests.conftest import (
     PARITY_TOKENS,
+    Acceptance,
     assert_every_draft_accepted,
     assert_greedy_parity_with_rejections,
     assert_same_sampling_distribution,
-    run_tensor_parallel,
+    greedy,
     start_engine,
     stop_engine,
+    tensor_parallel_engine,
 )
 from tests.test_config import engine_config
 from vllm_selfspec.prompts import CODE_THEN_STORY
@@ -109,18 +111,26 @@ def test_tensor_parallel_ranks_agree(tiny_llama_dir, tiny_llama_outputs, test_pr
     """TP=2 (mp backend, one core per rank) on a random 3-layer Llama (SmolLM2's 9
     heads do not split in two): outputs equal plain vLLM's, and both ranks hold
     the same statistics and make the same choice for every request every round,
-    TPL's measured fixed cost (the default step_overhead) included."""
+    TPL's measured fixed cost (the default step_overhead) included, which both
+    ranks hold, timed, before the first request (drafting every round, as the
+    suite's engines do: no cost-aware prior to time)."""
     spec = {"method": "del", "exit_layer": 2, "draft_length": 3}
-    outputs, acceptance, (first, second) = run_tensor_parallel(
-        spec, tiny_llama_dir, test_prompts[:8], monkeypatch, "selfspec_trace",
-        start_rpc=("selfspec_trace", (True,)))
+    with tensor_parallel_engine(spec, tiny_llama_dir, monkeypatch) as llm:
+        at_start_up = llm.collective_rpc("selfspec_round_costs")
+        llm.collective_rpc("selfspec_trace", args=(True,))
+        acceptance = Acceptance()
+        outputs = greedy(llm, test_prompts[:8], 8, acceptance=acceptance)
+        first, second = llm.collective_rpc("selfspec_trace")
     assert outputs == tiny_llama_outputs
     assert acceptance.drafted > 100
     assert first == second
     # At most 4 tokens a round (3 drafts and the target's own) after the first.
     assert sum(len(rounds) for rounds in first.values()) >= 8 * (PARITY_TOKENS - 1) / 4
-    # Measured once, on every rank (their timings differ; rank 0's is used).
-    assert len({r["step_overhead"] for rounds in first.values() for r in rounds}) == 1
+    # Timed at start-up on every rank (their timings differ; rank 0's is used),
+    # and the one every round used.
+    timed = [costs["step_overhead_layers"] for costs in at_start_up]
+    assert timed[0] == timed[1] and timed[0] is not None
+    assert {r["step_overhead"] for rounds in first.values() for r in rounds} == {timed[0]}
 
 
 def test_sampling_keeps_the_target_distribution_also_after_rejections(dynamic_exit, plain):

@@ -70,17 +70,20 @@ def test_cost_aware_drafting_declines_where_drafts_lose(plain_outputs, test_prom
     drafts at most a token where a request's own record says it may pay and
     probes the others every 8th round, so requests draft a small fraction of
     what forced drafting would and some rounds run no draft forward at all;
-    outputs stay plain vLLM's."""
+    outputs stay plain vLLM's. The budget's prior (profiling-mode costs) is
+    timed at start-up, before any request."""
     spec = {"method": "draft_verify", "num_speculative_tokens": 4, "cost_aware": True,
             "probe_every": 8, "attn_skip": list(range(1, 30)), "mlp_skip": list(range(1, 30))}
     llm = start_engine(spec, worker_extension_cls=WORKER_EXTENSION)
     try:
+        (at_start_up,) = llm.collective_rpc("selfspec_round_costs")
         acceptance = Acceptance()
         outputs = greedy(llm, test_prompts[:8], 8, acceptance=acceptance)
         (counters,) = llm.collective_rpc("selfspec_counters")
         (state,) = llm.collective_rpc("selfspec_state")
     finally:
         stop_engine(llm)
+    assert at_start_up["prior"]["per_draft"] > 0, at_start_up
     assert outputs == plain_outputs[8][:8]
     assert 0 < counters["draft_steps"] < counters["rounds"], counters
     # Forced, it drafts 4 tokens a round (about 200 here); the budget

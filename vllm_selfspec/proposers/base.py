@@ -156,6 +156,7 @@ class SelfSpecProposer(DraftModelProposer):
         )
         self.runner = runner
         self.options = self.speculative_config
+        self._costs_timed = False  # at start-up, by `initialize_attn_backend`
         self.vocab_mapping = None
         self.start_round_state()
 
@@ -176,7 +177,7 @@ class SelfSpecProposer(DraftModelProposer):
         self.looked_up: set[str] = set()
         self.clock = RoundClock()
         self._previous_round: RoundTiming | None = None
-        self.prior_costs: StepCosts | None = None  # profiling mode, at the first round
+        self.prior_costs: StepCosts | None = None  # profiling mode, at start-up
         self.shared_costs: dict[int, StepCosts] = {}  # per batch size, rank 0's
         self._round_costs: tuple[int, StepCosts | None | bool] | None = None  # (round, costs)
         self._early: tuple[float, DraftDecision] | None = None  # (started, decided to draft)
@@ -282,6 +283,39 @@ class SelfSpecProposer(DraftModelProposer):
                               slot_mappings=slot_mappings)
         finally:
             self.num_speculative_tokens = configured
+
+    def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
+        """vLLM's; then, at the first call, the draft's costs are timed
+        (`time_costs`), so that no user's request waits for them. vLLM calls
+        this from the runner's KV-cache set-up, on every rank and only after
+        the profiling run has compiled the target (on a GPU, before graph
+        capture)."""
+        super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
+        if not self._costs_timed:
+            self._costs_timed = True
+            self.time_costs()
+
+    def time_costs(self) -> None:
+        """What the method's decisions need timed before any request: the
+        profiling-mode prior of cost-aware drafting. A cost not timed here (an
+        option switched on while serving) is timed at its first use."""
+        if self.options.cost_aware:
+            self.prior_costs = self._time_prior_costs(self.num_speculative_tokens)
+
+    def timed_at_start_up(self) -> dict:
+        """What `time_costs` holds (None where nothing was timed)."""
+        return {"prior": None if self.prior_costs is None else vars(self.prior_costs)}
+
+    def _time_prior_costs(self, max_drafts: int) -> StepCosts:
+        """The profiling-mode prior: every rank runs the timing forwards (they
+        hold tensor-parallel collectives); rank 0's numbers are the ones all
+        ranks use."""
+        from vllm.distributed import get_tp_group
+
+        from vllm_selfspec.workers.profiling import draft_and_verify_costs
+
+        return get_tp_group().broadcast_object(
+            draft_and_verify_costs(self.runner, self, max_drafts), src=0)
 
     def initialize_cudagraph_keys(self, cudagraph_mode) -> None:
         """No CUDA-graph keys for the draft: our loop runs its draft modules
@@ -613,13 +647,8 @@ class SelfSpecProposer(DraftModelProposer):
 
         rounds = self.counters.rounds
         tp = get_tp_group()
-        if self.prior_costs is None:
-            from vllm_selfspec.workers.profiling import draft_and_verify_costs
-
-            # Every rank runs the timing forwards (they hold tensor-parallel
-            # collectives); rank 0's numbers are the ones all ranks use.
-            self.prior_costs = tp.broadcast_object(
-                draft_and_verify_costs(self.runner, self, max_drafts), src=0)
+        if self.prior_costs is None:  # cost_aware switched on while serving
+            self.prior_costs = self._time_prior_costs(max_drafts)
         # Which rounds share, and the clock's keys and round indices, are alike
         # on every rank; only rank 0's timings are used.
         ready = self.clock.plain_rounds() >= PLAIN_ROUNDS_FIRST

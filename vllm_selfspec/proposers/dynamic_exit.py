@@ -44,7 +44,7 @@ from vllm_selfspec.proposers.early_exit import EarlyExitConfig, EarlyExitPropose
 from vllm_selfspec.workers.exit_stats import ExitChoice, ExitStats
 
 # Timings per exit layer for the measured step_overhead: a few suffice, as the
-# fit runs through every exit (about a second on SmolLM2, once per engine).
+# fit runs through every exit (about a second on SmolLM2, once, at start-up).
 EXIT_TIMING_REPEATS = 5
 
 
@@ -63,8 +63,7 @@ class DelConfig(EarlyExitConfig):
     step_overhead: float | None = None
     """A forward's fixed cost (LM head, sampling, engine) in decoder layers,
     added to every draft step and to the verification in TPL's cost. Default:
-    measured by the engine at its first drafted round; 0 is the paper's layer
-    count."""
+    measured by the engine at start-up; 0 is the paper's layer count."""
     exit_layer: int | None = None
     """Fix the exit layer (DEL's ablation; default: chosen every round)."""
     draft_length: int | None = None
@@ -145,7 +144,7 @@ class DelProposer(EarlyExitProposer):
         self.exit_stats: dict[str, ExitStats] = {}
         self.plan: RoundPlan | None = None
         self.trace: dict[str, list[dict]] | None = None  # per round, when enabled
-        self.measured_overhead: float | None = None  # rank 0's, at the first drafted round
+        self.measured_overhead: float | None = None  # rank 0's, timed at start-up
 
     def aux_hidden_state_layers(self) -> tuple[int, ...]:
         return tuple(self.options.exit_layers)
@@ -177,10 +176,17 @@ class DelProposer(EarlyExitProposer):
                     **vars(choice), "step_overhead": overhead,
                     "acceptance_per_layer": self.exit_stats[req_id].acceptance().tolist()})
 
+    def time_costs(self) -> None:
+        super().time_costs()
+        self.step_overhead()
+
+    def timed_at_start_up(self) -> dict:
+        return {**super().timed_at_start_up(), "step_overhead_layers": self.measured_overhead}
+
     def step_overhead(self) -> float:
         """TPL's fixed cost per forward, in layers: the configured one, else
-        measured once (a line through the draft step's time at each exit,
-        workers/profiling.py) on every rank, rank 0's kept by all."""
+        measured once, at start-up (a line through the draft step's time at
+        each exit, workers/profiling.py), on every rank, rank 0's kept by all."""
         if self.options.step_overhead is not None:
             return self.options.step_overhead
         if self.measured_overhead is None:

@@ -208,11 +208,10 @@ class SelfSpecWorkerExtension:
 
     def selfspec_round_costs(self) -> dict:
         """The engine's timed rounds (plain, drafted and looked-up, seconds,
-        per batch size), the profiling-mode prior and the costs the budget
-        uses now."""
+        per batch size), what was timed at start-up (the profiling-mode prior;
+        DEL's step overhead) and the costs the budget uses now."""
         drafter = self.model_runner.drafter
-        return {**drafter.clock.samples(),
-                "prior": None if drafter.prior_costs is None else vars(drafter.prior_costs),
+        return {**drafter.clock.samples(), **drafter.timed_at_start_up(),
                 "shared": {b: vars(c) for b, c in drafter.shared_costs.items()}}
 
     def selfspec_time_step_pieces(self, start: bool = False) -> dict | None:
