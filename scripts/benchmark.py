@@ -1,8 +1,8 @@
 """Compare plain vLLM, vLLM's own speculation and our methods on the same prompts.
 
-Every engine runs in this one process, one after another, on the same prompts
-(HumanEval and MT-bench questions in the model's chat template), one request at
-a time, greedy. Decode tokens/s is taken from vLLM's per-request timestamps
+Every engine runs in this one process, one after another (with --interleave
+all at once, taking turns prompt by prompt), on the same prompts (HumanEval and
+MT-bench questions in the model's chat template), one request at a time, greedy. Decode tokens/s is taken from vLLM's per-request timestamps
 (first to last token), so prefill is excluded. Results go to
 results/<name>.json and a PNG plot.
 
@@ -209,50 +209,85 @@ def accepted_tokens(spec_stats) -> int:
 
 
 def measure(llm, run: Run, prompts: list[str], args) -> None:
-    """Decode the prompts one at a time, `args.repeats` times, into `run`.
-    Acceptance and token counts come from the first repeat of the first
+    """Decode the prompts one at a time, `args.repeats` times, into `run`."""
+    measure_together([(run, llm)], prompts, args)
+
+
+# Seconds an engine's worker keeps polling its queue after its last step
+# (vLLM's SpinCondition) on the core the next engine's worker computes on:
+# interleaved engines wait this long before the next one decodes.
+READER_SPIN_S = 1.1
+
+
+def measure_together(engines: list[tuple[Run, object]], prompts: list[str], args) -> None:
+    """Decode the prompts, `args.repeats` times, on every engine: each batch
+    of prompts on each engine in turn, the order rotating from batch to batch
+    (`turns`), so that a slow spell of the machine lands on all of them alike.
+    Acceptance and token counts come from the first repeat of a run's first
     engine start; speeds from every repeat of every start."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
-    ours = run.speculative_config and run.speculative_config["method"] in METHOD_MODULES
-    counted = llm.collective_rpc("selfspec_counters")[0] if ours else None
+    counted = []
+    for run, llm in engines:
+        llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
+        ours = run.speculative_config and run.speculative_config["method"] in METHOD_MODULES
+        counted.append(llm.collective_rpc("selfspec_counters")[0] if ours else None)
+    first_start = [not run.start_tokens_per_s for run, _ in engines]
+    speeds: list[list[float]] = [[] for _ in engines]
     batch = args.batch_size
-    first_start = not run.start_tokens_per_s
-    speeds = []
+    starts = range(0, len(prompts), batch)
     for repeat in range(args.repeats):
-        counting = first_start and repeat == 0
-        tokens, seconds = 0, 0.0
-        texts = []
-        for output in generate_batches(llm, prompts, params, batch,
-                                       f"{run.name} #{repeat + 1}"):
-            decoded, decode_seconds = decode_time(output)
-            run.request_tokens_per_s.append(decoded / decode_seconds)
-            if run.speculative_config and run.speculative_config["method"] == "swift":
-                search = llm.collective_rpc("selfspec_search")[0]["tasks"]
-                run.search_iterations.append(
-                    sum(task["iterations"] for task in search.values()))
-            tokens += decoded
-            seconds += decode_seconds / batch  # requests of a batch decode together
-            texts.append(output.outputs[0].text)
-            if counting:
-                run.generated += decoded + 1
-            if counting and output.outputs[0].spec_decode_metrics is not None:
-                spec_stats = output.outputs[0].spec_decode_metrics
-                run.drafted += spec_stats.num_draft_tokens
-                run.accepted += accepted_tokens(spec_stats)
-                run.rounds += sum(spec_stats.histogram)
-                run.request_sources.append(dict(spec_stats.token_sources))
-        if counting and ours:
-            after = llm.collective_rpc("selfspec_counters")[0]
-            run.draft_layers = after["draft_layers"] - counted["draft_layers"]
-        speeds.append(tokens / seconds)
-        run.decode_seconds += seconds
-        run.decode_tokens = tokens
-        run.texts = texts
-    run.tokens_per_s.extend(speeds)
-    run.start_tokens_per_s.append(statistics.mean(speeds))
+        tallies = [[0, 0.0, []] for _ in engines]  # decode tokens, seconds, texts
+        for index, start in enumerate(tqdm(starts, desc=f"repeat {repeat + 1}", leave=False,
+                                           file=CONSOLE)):
+            for place in turns(len(engines), repeat * len(starts) + index):
+                if len(engines) > 1:
+                    time.sleep(READER_SPIN_S)
+                (run, llm), tally = engines[place], tallies[place]
+                counting = first_start[place] and repeat == 0
+                for output in llm.generate(prompts[start:start + batch], params,
+                                           use_tqdm=False):
+                    record_output(llm, run, output, tally, counting, batch)
+        for place, (run, llm) in enumerate(engines):
+            tokens, seconds, texts = tallies[place]
+            if first_start[place] and repeat == 0 and counted[place] is not None:
+                after = llm.collective_rpc("selfspec_counters")[0]
+                run.draft_layers = after["draft_layers"] - counted[place]["draft_layers"]
+            speeds[place].append(tokens / seconds)
+            run.decode_seconds += seconds
+            run.decode_tokens = tokens
+            run.texts = texts
+    for place, (run, _) in enumerate(engines):
+        run.tokens_per_s.extend(speeds[place])
+        run.start_tokens_per_s.append(statistics.mean(speeds[place]))
+
+
+def turns(num_engines: int, index: int) -> list[int]:
+    """The engines' order for the index-th batch of prompts: each batch one
+    place further along, so none always decodes first (or right after another)."""
+    return [(index + place) % num_engines for place in range(num_engines)]
+
+
+def record_output(llm, run: Run, output, tally: list, counting: bool, batch: int) -> None:
+    """One request's decode speed, text and (when counting) drafts into `run`,
+    and its tokens and seconds into `tally`."""
+    decoded, decode_seconds = decode_time(output)
+    run.request_tokens_per_s.append(decoded / decode_seconds)
+    if run.speculative_config and run.speculative_config["method"] == "swift":
+        search = llm.collective_rpc("selfspec_search")[0]["tasks"]
+        run.search_iterations.append(sum(task["iterations"] for task in search.values()))
+    tally[0] += decoded
+    tally[1] += decode_seconds / batch  # requests of a batch decode together
+    tally[2].append(output.outputs[0].text)
+    if counting:
+        run.generated += decoded + 1
+    if counting and output.outputs[0].spec_decode_metrics is not None:
+        spec_stats = output.outputs[0].spec_decode_metrics
+        run.drafted += spec_stats.num_draft_tokens
+        run.accepted += accepted_tokens(spec_stats)
+        run.rounds += sum(spec_stats.histogram)
+        run.request_sources.append(dict(spec_stats.token_sources))
 
 
 def benchmark_prompts(tokenizer, num_prompts: int, prompt_set: str = "mixed") -> list[str]:
@@ -262,12 +297,6 @@ def benchmark_prompts(tokenizer, num_prompts: int, prompt_set: str = "mixed") ->
     questions = (prompt_sets.copy_heavy(num_prompts) if prompt_set == "copy" else
                  prompt_sets.humaneval(half) + prompt_sets.mtbench(num_prompts - half))
     return prompt_sets.as_chat(tokenizer, questions)
-
-
-def generate_batches(llm, prompts: list[str], params, batch: int, desc: str):
-    """Outputs of `prompts`, `batch` requests in flight together."""
-    for start in tqdm(range(0, len(prompts), batch), desc=desc, leave=False, file=CONSOLE):
-        yield from llm.generate(prompts[start:start + batch], params, use_tqdm=False)
 
 
 def run_engine(run: Run, model_dir: Path, prompts: list[str], args) -> None:
@@ -284,12 +313,29 @@ def run_engine(run: Run, model_dir: Path, prompts: list[str], args) -> None:
     shutdown(llm)
 
 
+def run_interleaved(runs: list[Run], model_dir: Path, prompts: list[str], args) -> None:
+    """Every run's engine at once, the prompts decoded on each in turn
+    (`measure_together`); each engine takes its step costs after the first
+    start, alone on the machine."""
+    first_start = not runs[0].start_tokens_per_s
+    engines = []
+    for run in runs:
+        started = time.perf_counter()
+        engines.append((run, start(model_dir, run.speculative_config, args)))
+        if first_start:
+            run.startup_s = time.perf_counter() - started
+    measure_together(engines, prompts, args)
+    for run, llm in engines:
+        if first_start:
+            run.step_costs = step_costs(llm, run.speculative_config)
+        shutdown(llm)
+
+
 def engine_order(runs: list[Run], engine_starts: int) -> list[Run]:
     """Every run once per start, in turn, each start beginning one place
     further along: neither a slow spell of the machine nor a place in the
     order (first after a previous engine's exit, say) lands on one method."""
-    return [runs[(start + place) % len(runs)] for start in range(engine_starts)
-            for place in range(len(runs))]
+    return [runs[place] for start in range(engine_starts) for place in turns(len(runs), start)]
 
 
 def step_costs(llm, spec: dict | None) -> dict | None:
@@ -611,6 +657,12 @@ def main() -> None:
                              "further along the order); the spread is "
                              "then over starts (each against plain's same start), which "
                              "moves more than repeats within one start")
+    parser.add_argument("--interleave", action="store_true",
+                        help="start every engine at once and decode each batch of prompts "
+                             "on each in turn (the order rotating): a slow spell of the "
+                             "machine then lands on all methods alike, which engines started "
+                             "one after another cannot promise (memory: each engine holds "
+                             "its weights and VLLM_CPU_KVCACHE_SPACE, 2 GiB by default)")
     parser.add_argument("--dtype", default=fast_dtype(),
                         help="(default: bfloat16 where the hardware has it, else float32)")
     parser.add_argument("--eager", action="store_true", help="no torch.compile")
@@ -671,8 +723,13 @@ def main() -> None:
     if "plain" not in chosen:
         chosen.insert(0, "plain")
     runs = [Run(name, configs[name]) for name in chosen]
-    for run in tqdm(engine_order(runs, args.engine_starts), desc="engines", file=CONSOLE):
-        run_engine(run, model_dir, prompts, args)
+    if args.interleave:
+        for start_index in tqdm(range(args.engine_starts), desc="engine starts", file=CONSOLE):
+            run_interleaved([runs[place] for place in turns(len(runs), start_index)],
+                            model_dir, prompts, args)
+    else:
+        for run in tqdm(engine_order(runs, args.engine_starts), desc="engines", file=CONSOLE):
+            run_engine(run, model_dir, prompts, args)
     if args.del_step_overhead is not None:
         runs.append(del_with_step_overhead(model_dir, prompts, args))
 
@@ -687,7 +744,8 @@ def main() -> None:
     payload = {"command": command.strip(), "model": args.model, "dtype": args.dtype,
                "cpu_flags": cpu_flags(), "batch_size": args.batch_size,
                "eager": args.eager, "prompts": len(prompts), "max_tokens": args.max_tokens,
-               "repeats": args.repeats, "engine_starts": args.engine_starts, "rows": rows,
+               "repeats": args.repeats, "engine_starts": args.engine_starts,
+               "interleaved": args.interleave, "rows": rows,
                "threshold_sweep": sweep,
                "static_exit_grid": grid, "del_trace": trace,
                "configs": {r.name: r.speculative_config for r in runs},
@@ -713,7 +771,8 @@ def main() -> None:
 def print_table(rows: list[dict], args, num_prompts: int) -> None:
     print(f"\n{args.model} {args.dtype}: decode tokens/s at batch "
           f"{args.batch_size} ({num_prompts} prompts, {args.max_tokens} new tokens, "
-          f"{args.repeats} repeats x {args.engine_starts} engine starts); CPU flags: "
+          f"{args.repeats} repeats x {args.engine_starts} engine starts"
+          f"{', interleaved' if args.interleave else ''}); CPU flags: "
           f"{' '.join(cpu_flags())}", file=CONSOLE)
     header = ("method", "tok/s", "speed-up", "spread", "accept", "acc len", "identical",
               "c", "F", "S*", "meas/S*", "rounds self/lookup/none %")

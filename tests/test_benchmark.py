@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmark import Run, engine_order, summarize
+from benchmark import Run, engine_order, summarize, turns
 
 
 def run_with(name: str, starts: list[list[float]]) -> Run:
@@ -24,6 +24,15 @@ def test_engine_starts_rotate_the_order():
     order = [run.name for run in engine_order(runs, engine_starts=4)]
     assert order == ["plain", "a", "b", "a", "b", "plain", "b", "plain", "a",
                      "plain", "a", "b"]
+
+
+def test_interleaved_engines_take_every_place_in_turn():
+    """Batch after batch, each engine decodes first once in every len(engines)
+    batches, and right after each of the others."""
+    orders = [turns(3, index) for index in range(6)]
+    assert orders[:3] == [[0, 1, 2], [1, 2, 0], [2, 0, 1]] and orders[3:] == orders[:3]
+    for engine in range(3):
+        assert sorted(order.index(engine) for order in orders[:3]) == [0, 1, 2]
 
 
 def test_one_start_spreads_over_its_repeats():
