@@ -221,8 +221,8 @@ READER_SPIN_S = 1.1
 
 def measure_together(engines: list[tuple[Run, object]], prompts: list[str], args) -> None:
     """Decode the prompts, `args.repeats` times, on every engine: each batch
-    of prompts on each engine in turn, the order rotating from batch to batch
-    (`turns`), so that a slow spell of the machine lands on all of them alike.
+    of prompts on each engine in turn, the order changing from batch to batch
+    (`turns`: each engine in every place and after every other equally often), so that a slow spell of the machine lands on all of them alike.
     Acceptance and token counts come from the first repeat of a run's first
     engine start; speeds from every repeat of every start."""
     from vllm import SamplingParams
@@ -239,7 +239,8 @@ def measure_together(engines: list[tuple[Run, object]], prompts: list[str], args
     starts = range(0, len(prompts), batch)
     for repeat in range(args.repeats):
         tallies = [[0, 0.0, []] for _ in engines]  # decode tokens, seconds, texts
-        for index, start in enumerate(tqdm(starts, desc=f"repeat {repeat + 1}", leave=False,
+        label = engines[0][0].name if len(engines) == 1 else "engines in turn"
+        for index, start in enumerate(tqdm(starts, desc=f"{label} #{repeat + 1}", leave=False,
                                            file=CONSOLE)):
             for place in turns(len(engines), repeat * len(starts) + index):
                 if len(engines) > 1:
@@ -264,9 +265,18 @@ def measure_together(engines: list[tuple[Run, object]], prompts: list[str], args
 
 
 def turns(num_engines: int, index: int) -> list[int]:
-    """The engines' order for the index-th batch of prompts: each batch one
-    place further along, so none always decodes first (or right after another)."""
-    return [(index + place) % num_engines for place in range(num_engines)]
+    """The engines' order for the index-th batch of prompts: the rows of a
+    Williams design (a balanced Latin square, with the rows reversed too when
+    the count is odd), so over a cycle of rows every engine decodes in every
+    place equally often and right after each other engine equally often: a
+    slow spell, or whatever an engine leaves behind for the next, lands on
+    none of them more than on the others."""
+    first_row = [(place // 2 + 1) if place % 2 else (num_engines - place // 2) % num_engines
+                 for place in range(num_engines)]
+    cycle = num_engines if num_engines % 2 == 0 else 2 * num_engines
+    row = index % cycle
+    order = [(engine + row) % num_engines for engine in first_row]
+    return order if row < num_engines else order[::-1]
 
 
 def record_output(llm, run: Run, output, tally: list, counting: bool, batch: int) -> None:
@@ -315,8 +325,8 @@ def run_engine(run: Run, model_dir: Path, prompts: list[str], args) -> None:
 
 def run_interleaved(runs: list[Run], model_dir: Path, prompts: list[str], args) -> None:
     """Every run's engine at once, the prompts decoded on each in turn
-    (`measure_together`); each engine takes its step costs after the first
-    start, alone on the machine."""
+    (`measure_together`); after the first start each engine's step costs are
+    taken in turn, once the previous engine's worker has stopped polling."""
     first_start = not runs[0].start_tokens_per_s
     engines = []
     for run in runs:
@@ -327,14 +337,15 @@ def run_interleaved(runs: list[Run], model_dir: Path, prompts: list[str], args) 
     measure_together(engines, prompts, args)
     for run, llm in engines:
         if first_start:
+            time.sleep(READER_SPIN_S)
             run.step_costs = step_costs(llm, run.speculative_config)
         shutdown(llm)
 
 
 def engine_order(runs: list[Run], engine_starts: int) -> list[Run]:
-    """Every run once per start, in turn, each start beginning one place
-    further along: neither a slow spell of the machine nor a place in the
-    order (first after a previous engine's exit, say) lands on one method."""
+    """Every run once per start, each start in the next order of `turns`:
+    neither a slow spell of the machine nor a place in the order (first
+    after a previous engine's exit, say) lands on one method."""
     return [runs[place] for start in range(engine_starts) for place in turns(len(runs), start)]
 
 
@@ -653,13 +664,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--engine-starts", type=int, default=1,
-                        help="start every engine this many times, in turn (each start one place "
-                             "further along the order); the spread is "
+                        help="start every engine this many times, in turn (each start in "
+                             "another order, as --interleave's batches); the spread is "
                              "then over starts (each against plain's same start), which "
                              "moves more than repeats within one start")
     parser.add_argument("--interleave", action="store_true",
                         help="start every engine at once and decode each batch of prompts "
-                             "on each in turn (the order rotating): a slow spell of the "
+                             "on each in turn (each engine in every place and after every other "
+                             "equally often): a slow spell of the "
                              "machine then lands on all methods alike, which engines started "
                              "one after another cannot promise (memory: each engine holds "
                              "its weights and VLLM_CPU_KVCACHE_SPACE, 2 GiB by default)")
@@ -690,6 +702,11 @@ def main() -> None:
                         help="also plot DEL's exit layer and threshold over one request "
                              "whose text turns from code to prose")
     args = parser.parse_args()
+    if args.interleave and (args.del_step_overhead is not None or args.threshold_sweep
+                            or args.del_grid):
+        parser.error("--interleave runs the methods' engines together; --del-step-overhead, "
+                     "--threshold-sweep and --del-grid start engines of their own, one at a "
+                     "time: run them without --interleave, or name the configs with --config")
     if args.quick:
         args.methods = args.methods or "plain,ngram,recommended"
         args.max_tokens, args.repeats = 64, 1

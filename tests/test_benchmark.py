@@ -3,6 +3,8 @@ over repeats of one engine start and over several starts."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from benchmark import Run, engine_order, summarize, turns
@@ -18,21 +20,28 @@ def run_with(name: str, starts: list[list[float]]) -> Run:
     return run
 
 
-def test_engine_starts_rotate_the_order():
-    """Each start runs every engine once, and each engine takes every place."""
+def test_engine_starts_take_every_place_in_turn():
+    """Each start runs every engine once, in the rows of a balanced Latin square."""
     runs = [Run(name, None) for name in ("plain", "a", "b")]
     order = [run.name for run in engine_order(runs, engine_starts=4)]
     assert order == ["plain", "a", "b", "a", "b", "plain", "b", "plain", "a",
-                     "plain", "a", "b"]
+                     "b", "a", "plain"]
 
 
-def test_interleaved_engines_take_every_place_in_turn():
-    """Batch after batch, each engine decodes first once in every len(engines)
-    batches, and right after each of the others."""
-    orders = [turns(3, index) for index in range(6)]
-    assert orders[:3] == [[0, 1, 2], [1, 2, 0], [2, 0, 1]] and orders[3:] == orders[:3]
-    for engine in range(3):
-        assert sorted(order.index(engine) for order in orders[:3]) == [0, 1, 2]
+@pytest.mark.parametrize("num_engines", [1, 2, 3, 4, 5, 6])
+def test_interleaved_engines_follow_each_other_equally_often(num_engines):
+    """Over a cycle of batches each engine decodes in every place equally often
+    and right after each other engine equally often (the previous engine's
+    worker still polls while the next decodes)."""
+    cycle = num_engines if num_engines % 2 == 0 else 2 * num_engines
+    orders = [turns(num_engines, index) for index in range(cycle)]
+    assert all(sorted(order) == list(range(num_engines)) for order in orders)
+    assert orders == [turns(num_engines, index) for index in range(cycle, 2 * cycle)]
+    places = Counter((engine, order.index(engine)) for order in orders for engine in order)
+    assert len(set(places.values())) == 1 and len(places) == num_engines ** 2
+    follows = Counter(pair for order in orders for pair in zip(order, order[1:]))
+    assert len(set(follows.values())) <= 1
+    assert len(follows) == num_engines * (num_engines - 1)
 
 
 def test_one_start_spreads_over_its_repeats():

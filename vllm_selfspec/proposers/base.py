@@ -287,18 +287,20 @@ class SelfSpecProposer(DraftModelProposer):
     def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
         """vLLM's; then, at the first call, the draft's costs are timed
         (`time_costs`), so that no user's request waits for them. vLLM calls
-        this from the runner's KV-cache set-up, on every rank and only after
-        the profiling run has compiled the target (on a GPU, before graph
-        capture)."""
+        this from the runner's KV-cache set-up, on every rank, after the
+        profiling run has compiled the target (on a GPU, before graph
+        capture). vLLM's CPU worker skips that run under its own CI switch;
+        the target's first compiled call must not be a timing forward, so
+        there the costs are timed at first use instead."""
         super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
-        if not self._costs_timed:
+        if not self._costs_timed and not _cpu_warm_up_skipped():
             self._costs_timed = True
             self.time_costs()
 
     def time_costs(self) -> None:
         """What the method's decisions need timed before any request: the
         profiling-mode prior of cost-aware drafting. A cost not timed here (an
-        option switched on while serving) is timed at its first use."""
+        option switched on while serving; vLLM's CPU CI) is timed at first use."""
         if self.options.cost_aware:
             self.prior_costs = self._time_prior_costs(self.num_speculative_tokens)
 
@@ -647,7 +649,7 @@ class SelfSpecProposer(DraftModelProposer):
 
         rounds = self.counters.rounds
         tp = get_tp_group()
-        if self.prior_costs is None:  # cost_aware switched on while serving
+        if self.prior_costs is None:  # not timed at start-up (e.g. cost_aware switched on)
             self.prior_costs = self._time_prior_costs(max_drafts)
         # Which rounds share, and the clock's keys and round indices, are alike
         # on every rank; only rank 0's timings are used.
@@ -788,6 +790,15 @@ class SelfSpecProposer(DraftModelProposer):
             seq_lens_cpu_upper_bound=torch.tensor([seq_len], dtype=torch.int32),
         )
         return window, positions
+
+
+def _cpu_warm_up_skipped() -> bool:
+    """vLLM's CPU worker ran no profiling forward before the KV cache
+    (`CPUWorker._should_warm_up_model`: its CI switch)."""
+    from vllm import envs
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu() and envs.VLLM_CPU_CI_ENV
 
 
 def verified_feedback(req_ids: list[str], verified: list[int], rejected: list[int]

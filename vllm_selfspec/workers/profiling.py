@@ -118,8 +118,8 @@ def measure_exit_costs(runner, batch_size: int = 1, repeats: int = 30) -> dict:
     gives a layer's time t and a step's fixed cost o in layers: DEL's
     `step_overhead`."""
     model = runner.drafter.model
-    input_ids = torch.zeros(batch_size, dtype=torch.int32)
-    positions = torch.zeros(batch_size, dtype=torch.int64)
+    input_ids = torch.zeros(batch_size, dtype=torch.int32, device=runner.device)
+    positions = torch.zeros(batch_size, dtype=torch.int64, device=runner.device)
 
     def exit_step(depth: int) -> None:
         hidden_states = residual = head_input = None
@@ -208,8 +208,9 @@ class SelfSpecWorkerExtension:
 
     def selfspec_round_costs(self) -> dict:
         """The engine's timed rounds (plain, drafted and looked-up, seconds,
-        per batch size), what was timed at start-up (the profiling-mode prior;
-        DEL's step overhead) and the costs the budget uses now."""
+        per batch size), what is timed at start-up where it can be (the
+        profiling-mode prior; DEL's step overhead) and the costs the budget
+        uses now."""
         drafter = self.model_runner.drafter
         return {**drafter.clock.samples(), **drafter.timed_at_start_up(),
                 "shared": {b: vars(c) for b, c in drafter.shared_costs.items()}}
