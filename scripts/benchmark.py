@@ -2,8 +2,9 @@
 
 Every engine runs in this one process, one after another (with --interleave
 all at once, taking turns prompt by prompt), on the same prompts (HumanEval and
-MT-bench questions in the model's chat template), one request at a time, greedy. Decode tokens/s is taken from vLLM's per-request timestamps
-(first to last token), so prefill is excluded. Results go to
+MT-bench questions in the model's chat template), one request at a time,
+greedy. Decode tokens/s is taken from vLLM's per-request timestamps (first to
+last token), so prefill is excluded. Results go to
 results/<name>.json and a PNG plot.
 
     python scripts/benchmark.py --quick            # plain, ngram, recommended (setup's main job)
@@ -222,7 +223,8 @@ READER_SPIN_S = 1.1
 def measure_together(engines: list[tuple[Run, object]], prompts: list[str], args) -> None:
     """Decode the prompts, `args.repeats` times, on every engine: each batch
     of prompts on each engine in turn, the order changing from batch to batch
-    (`turns`: each engine in every place and after every other equally often), so that a slow spell of the machine lands on all of them alike.
+    (`turns`: each engine in every place and after every other equally often),
+    so that a slow spell of the machine lands on all of them alike.
     Acceptance and token counts come from the first repeat of a run's first
     engine start; speeds from every repeat of every start."""
     from vllm import SamplingParams
@@ -237,9 +239,9 @@ def measure_together(engines: list[tuple[Run, object]], prompts: list[str], args
     speeds: list[list[float]] = [[] for _ in engines]
     batch = args.batch_size
     starts = range(0, len(prompts), batch)
+    label = engines[0][0].name if len(engines) == 1 else "engines in turn"
     for repeat in range(args.repeats):
         tallies = [[0, 0.0, []] for _ in engines]  # decode tokens, seconds, texts
-        label = engines[0][0].name if len(engines) == 1 else "engines in turn"
         for index, start in enumerate(tqdm(starts, desc=f"{label} #{repeat + 1}", leave=False,
                                            file=CONSOLE)):
             for place in turns(len(engines), repeat * len(starts) + index):
@@ -309,24 +311,11 @@ def benchmark_prompts(tokenizer, num_prompts: int, prompt_set: str = "mixed") ->
     return prompt_sets.as_chat(tokenizer, questions)
 
 
-def run_engine(run: Run, model_dir: Path, prompts: list[str], args) -> None:
-    """Start an engine for `run` and measure; at its first start also take
-    the drafter's step costs."""
-    first_start = not run.start_tokens_per_s
-    started = time.perf_counter()
-    llm = start(model_dir, run.speculative_config, args)
-    if first_start:
-        run.startup_s = time.perf_counter() - started
-    measure(llm, run, prompts, args)
-    if first_start:
-        run.step_costs = step_costs(llm, run.speculative_config)
-    shutdown(llm)
-
-
-def run_interleaved(runs: list[Run], model_dir: Path, prompts: list[str], args) -> None:
-    """Every run's engine at once, the prompts decoded on each in turn
-    (`measure_together`); after the first start each engine's step costs are
-    taken in turn, once the previous engine's worker has stopped polling."""
+def run_engines(runs: list[Run], model_dir: Path, prompts: list[str], args) -> None:
+    """Start an engine for each run and measure them together (one run: alone;
+    several: the prompts decoded on each in turn, `measure_together`); at a
+    run's first start also take the drafter's step costs, each engine in turn,
+    once the previous engine's worker has stopped polling."""
     first_start = not runs[0].start_tokens_per_s
     engines = []
     for run in runs:
@@ -337,7 +326,8 @@ def run_interleaved(runs: list[Run], model_dir: Path, prompts: list[str], args) 
     measure_together(engines, prompts, args)
     for run, llm in engines:
         if first_start:
-            time.sleep(READER_SPIN_S)
+            if len(engines) > 1:
+                time.sleep(READER_SPIN_S)
             run.step_costs = step_costs(llm, run.speculative_config)
         shutdown(llm)
 
@@ -409,7 +399,7 @@ def del_with_step_overhead(model_dir: Path, prompts: list[str], args) -> Run:
     layer count) beside the default, measured one."""
     overhead = args.del_step_overhead
     run = Run(f"del o={overhead:g}", {**del_config(args), "step_overhead": overhead})
-    run_engine(run, model_dir, prompts, args)
+    run_engines([run], model_dir, prompts, args)
     return run
 
 
@@ -742,11 +732,11 @@ def main() -> None:
     runs = [Run(name, configs[name]) for name in chosen]
     if args.interleave:
         for start_index in tqdm(range(args.engine_starts), desc="engine starts", file=CONSOLE):
-            run_interleaved([runs[place] for place in turns(len(runs), start_index)],
-                            model_dir, prompts, args)
+            run_engines([runs[place] for place in turns(len(runs), start_index)],
+                        model_dir, prompts, args)
     else:
         for run in tqdm(engine_order(runs, args.engine_starts), desc="engines", file=CONSOLE):
-            run_engine(run, model_dir, prompts, args)
+            run_engines([run], model_dir, prompts, args)
     if args.del_step_overhead is not None:
         runs.append(del_with_step_overhead(model_dir, prompts, args))
 
