@@ -67,11 +67,16 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def _decode_inputs(batch_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and positions of a one-token-per-request decode step on
+    `device`, for the timing forwards (their values do not change the time)."""
+    return (torch.zeros(batch_size, dtype=torch.int32, device=device),
+            torch.zeros(batch_size, dtype=torch.int64, device=device))
+
+
 def _forward_step(model, batch_size: int) -> Callable[[], None]:
     """One decode forward of `model` and its LM head for `batch_size` tokens."""
-    device = next(model.parameters()).device
-    input_ids = torch.zeros(batch_size, dtype=torch.int32, device=device)
-    positions = torch.zeros(batch_size, dtype=torch.int64, device=device)
+    input_ids, positions = _decode_inputs(batch_size, next(model.parameters()).device)
 
     def step() -> None:
         hidden = model(input_ids=input_ids, positions=positions)
@@ -118,8 +123,7 @@ def measure_exit_costs(runner, batch_size: int = 1, repeats: int = 30) -> dict:
     gives a layer's time t and a step's fixed cost o in layers: DEL's
     `step_overhead`."""
     model = runner.drafter.model
-    input_ids = torch.zeros(batch_size, dtype=torch.int32, device=runner.device)
-    positions = torch.zeros(batch_size, dtype=torch.int64, device=runner.device)
+    input_ids, positions = _decode_inputs(batch_size, runner.device)
 
     def exit_step(depth: int) -> None:
         hidden_states = residual = head_input = None
