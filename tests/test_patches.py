@@ -255,3 +255,43 @@ def test_a_declined_round_skips_vllms_drafting_glue(monkeypatch):
     declines.append(True)
     runner.use_async_scheduling = True  # the next step reads the glue's tensors
     assert GPUModelRunner.propose_draft_token_ids(runner, *arguments)[0] == "vllm's"
+
+
+def test_del_exit_states_reach_the_buffer_from_a_compiled_graph():
+    """On a decoder set up for DEL, each exit layer's stream (hidden + residual)
+    lands in its slot of the buffer, also from an inductor-compiled graph (the
+    op survives the compiler), and the only extra output is one empty tensor;
+    any other decoder keeps vLLM's behaviour (EAGLE-3 gets the states back)."""
+    import torch
+    from vllm.forward_context import ForwardContext, override_forward_context
+    from vllm.model_executor.models.interfaces import EagleModelMixin
+
+    from vllm_selfspec.workers import exit_states
+
+    patches.apply_patches()
+
+    class Decoder(torch.nn.Module, EagleModelMixin):
+        def forward(self, hidden, residual):
+            aux: list[torch.Tensor] = []
+            for layer in range(1, 4):
+                hidden, residual = hidden * 2 + layer, residual + hidden
+                self._maybe_add_hidden_state(aux, layer, hidden, residual)
+            return hidden, aux
+
+    decoder = Decoder()
+    decoder._set_aux_hidden_state_layers((1, 3))
+    hidden, residual = torch.randn(5, 4), torch.randn(5, 4)
+    _, returned = decoder(hidden, residual)
+    assert len(returned) == 2  # vLLM's: the states themselves
+
+    states = exit_states.ExitStates([1, 3], 8, 4, torch.float32, torch.device("cpu"))
+    exit_states._register_op()
+    setattr(decoder, exit_states.RECORDS_EXIT_STATES, True)
+    context = ForwardContext(no_compile_layers={exit_states.EXIT_STATES_KEY: states},
+                             attn_metadata={}, slot_mapping={})
+    with override_forward_context(context):
+        compiled = torch.compile(decoder, backend="inductor", fullgraph=True)
+        _, recorded = compiled(hidden, residual)
+    assert [tuple(t.shape) for t in recorded] == [(5, 0)]
+    for slot, state in enumerate(returned):
+        torch.testing.assert_close(states.buffer[slot, :5], state)
