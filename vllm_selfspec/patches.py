@@ -1,7 +1,7 @@
 """Every vLLM symbol the plugin replaces, with the original kept.
 
-Seventeen attributes, each small and named here, are the whole contact surface
-(eight run the methods, five keep a round that drafts nothing as cheap as a
+Sixteen attributes, each small and named here, are the whole contact surface
+(seven run the methods, five keep a round that drafts nothing as cheap as a
 plain step, four count where tokens came from, with two fields added to vLLM
 dataclasses: `token_sources.py`); three more run vLLM's Ray
 executor on the CPU platform, only when
@@ -104,13 +104,6 @@ PATCHES = (
         "let a proposer that reads per-layer hidden states (DEL's shadow tokens) "
         "name the layers the target returns; vLLM's EAGLE-3 path reads them from a "
         "draft model's config, which we do not have",
-    ),
-    Patch(
-        "vllm.model_executor.models.interfaces", "EagleModelMixin", "_maybe_add_hidden_state",
-        "vllm_selfspec.workers.exit_states:maybe_add_hidden_state",
-        "DEL's target writes those states into a buffer from inside its compiled "
-        "graph instead of returning them: as extra graph outputs they slowed "
-        "every forward (workers/exit_states.py)",
     ),
     Patch(
         "vllm.model_executor.layers.linear", "UnquantizedLinearMethod",

@@ -105,11 +105,14 @@ class RoundTiming:
 @dataclass(frozen=True)
 class VerifiedTokens:
     """The forward that just ran (a verification, or a prefill chunk), flat
-    over the batch: its input tokens, each request's next token, the row of
-    each request's last valid token, where each request's rows start, the
-    tokens' positions, and the forward's attention metadata (block tables)."""
+    over the batch: its input tokens, the hidden states the target returned for
+    the drafter (per-layer states when a method asks for them), each request's
+    next token, the row of each request's last valid token, where each
+    request's rows start, the tokens' positions, and the forward's attention
+    metadata (block tables)."""
 
     token_ids: torch.Tensor
+    hidden_states: torch.Tensor
     next_token_ids: torch.Tensor
     last_rows: torch.Tensor
     first_rows: torch.Tensor
@@ -427,7 +430,7 @@ class SelfSpecProposer(DraftModelProposer):
         if decision is not None:
             steps = self._draft_loop(
                 drafts, req_ids, decision, target_token_ids, target_positions,
-                next_token_ids, token_indices_to_sample,
+                target_hidden_states, next_token_ids, token_indices_to_sample,
                 common_attn_metadata, num_rejected_tokens_gpu)
         self._previous_round = RoundTiming(req_ids, steps, started, time.perf_counter(),
                                            bool(rows))
@@ -530,7 +533,7 @@ class SelfSpecProposer(DraftModelProposer):
 
     def _draft_loop(self, drafts: torch.Tensor, req_ids: list[str], decision: DraftDecision,
                     target_token_ids: torch.Tensor, target_positions: torch.Tensor,
-                    next_token_ids: torch.Tensor,
+                    target_hidden_states: torch.Tensor, next_token_ids: torch.Tensor,
                     token_indices_to_sample: torch.Tensor | None,
                     common_attn_metadata: CommonAttentionMetadata,
                     num_rejected_tokens_gpu: torch.Tensor | None) -> int:
@@ -546,7 +549,7 @@ class SelfSpecProposer(DraftModelProposer):
         # forward (DEL's shadow tokens, SWIFT's search): a declined round
         # costs what a plain step costs.
         self.begin_round(req_ids, VerifiedTokens(
-            target_token_ids, next_token_ids,
+            target_token_ids, target_hidden_states, next_token_ids,
             token_indices_to_sample, common_attn_metadata.query_start_loc[:batch_size],
             target_positions, common_attn_metadata))
         positions = target_positions[token_indices_to_sample]

@@ -9,15 +9,14 @@ exact and lands in the target's paged cache; the verification forward
 rewrites every layer there anyway (see docs/design.md for why it does not skip
 the layers below E).
 
-Shadow tokens cost no extra forward: the target writes the residual stream
-after each candidate exit layer into a buffer (`workers/exit_states.py`; the
-layers are named through vLLM's EAGLE-3 auxiliary-layer hook), and one
-LM-head pass over every candidate layer's head inputs at each request's
+Shadow tokens cost no extra forward: the target returns the residual stream
+after each candidate exit layer (vLLM's EAGLE-3 auxiliary hidden states), and
+one LM-head pass over every candidate layer's head inputs at each request's
 valid positions of the forward that just ran (the accepted drafts and the
 bonus token; at prefill, the last `stat_positions` prompt positions) tells
 which layers would have predicted the tokens that followed, and how
-confidently. The candidate layers, and that the states go to the buffer,
-enter the compile hash: they change the target's graph.
+confidently. The candidate layers enter the compile hash: they change the
+target's graph.
 
 TPL counts a forward's fixed cost (`step_overhead`, in layers), measured by
 default: on a CPU the LM head and the engine's per-step work cost several
@@ -40,10 +39,8 @@ from vllm.config.utils import config
 
 from vllm_selfspec.config import SelfSpecConfigError
 from vllm_selfspec.draft_tokens import top1, top1_probability
-from vllm_selfspec.models import adapter_for
 from vllm_selfspec.proposers.base import VerifiedTokens
 from vllm_selfspec.proposers.early_exit import EarlyExitConfig, EarlyExitProposer
-from vllm_selfspec.workers.exit_states import EXIT_STATES_KEY, ExitStates, attach_exit_states
 from vllm_selfspec.workers.exit_stats import ExitChoice, ExitStats
 
 # Timings per exit layer for the measured step_overhead: a few suffice, as the
@@ -120,7 +117,7 @@ class DelConfig(EarlyExitConfig):
                 f"candidate exit layers {self.exit_layers}.")
 
     def method_hash_factors(self) -> list:
-        return [self.heads, self.exit_layers, EXIT_STATES_KEY]
+        return [self.heads, self.exit_layers]
 
 
 @dataclass
@@ -141,10 +138,9 @@ class DelProposer(EarlyExitProposer):
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner=runner)
         if runner is not None:
-            # The target writes its candidate layers' states for the shadow
-            # tokens (`load_model`); which layers: `aux_hidden_state_layers`.
+            # The target returns its candidate layers' states for the shadow
+            # tokens; which layers: `aux_hidden_state_layers` (see patches.py).
             runner.use_aux_hidden_state_outputs = True
-        self.exit_states: ExitStates | None = None
         self.exit_stats: dict[str, ExitStats] = {}
         self.plan: RoundPlan | None = None
         self.trace: dict[str, list[dict]] | None = None  # per round, when enabled
@@ -152,12 +148,6 @@ class DelProposer(EarlyExitProposer):
 
     def aux_hidden_state_layers(self) -> tuple[int, ...]:
         return tuple(self.options.exit_layers)
-
-    def load_model(self, target_model) -> None:
-        super().load_model(target_model)
-        self.exit_states = attach_exit_states(
-            adapter_for(target_model).decoder(target_model), self.options.exit_layers,
-            self.vllm_config, self.device)
 
     # --- statistics -------------------------------------------------------
     def begin_round(self, req_ids: list[str], verified: VerifiedTokens) -> None:
@@ -226,10 +216,10 @@ class DelProposer(EarlyExitProposer):
             rows == verified.last_rows[owner], verified.next_token_ids[owner],
             verified.token_ids[(rows + 1).clamp(max=verified.token_ids.numel() - 1)])
         num_exits = len(self.options.exit_layers)
-        states = self.exit_states.buffer[:, rows]
+        states = verified.hidden_states[rows].view(rows.numel(), num_exits, -1)
         # One LM-head pass over every exit's rows: the head's weights are read
         # once, not once per exit (on SmolLM2 a pass costs a fifth of a step).
-        head_inputs = torch.cat([segment.head_input(states[index])
+        head_inputs = torch.cat([segment.head_input(states[:, index])
                                  for index, segment in enumerate(self.model.segments)])
         shadow_tokens, confidence = top1(self.model.compute_logits(head_inputs))
         matched_t = (shadow_tokens.view(num_exits, -1) == following).t().float()
