@@ -255,3 +255,37 @@ def test_a_declined_round_skips_vllms_drafting_glue(monkeypatch):
     declines.append(True)
     runner.use_async_scheduling = True  # the next step reads the glue's tensors
     assert GPUModelRunner.propose_draft_token_ids(runner, *arguments)[0] == "vllm's"
+
+
+def test_a_step_under_frame_room_maps_no_frame_stack_chunk_per_call():
+    """CPython unmaps a frame-stack chunk when the frame that opened it returns,
+    so a call made where the current chunk is nearly full maps (and page-faults)
+    a chunk every time: at some depth, 500 calls fault 500 times. Under
+    `with_frame_room` (as every step runs, hooks.py) no depth does."""
+    import resource
+
+    from vllm_selfspec.workers.frame_stack import with_frame_room
+
+    def leaf():
+        a = b = c = 0
+        return a + b + c
+
+    def calls():
+        for _ in range(500):
+            leaf()
+
+    def descend(depth, function):
+        return descend(depth - 1, function) if depth else function()
+
+    def faults(function) -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        function()
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    # Depths spanning a whole 16 KB chunk of `descend` frames.
+    bare = [faults(lambda: descend(depth, calls)) for depth in range(300)]
+    if max(bare) < 500:
+        pytest.skip("this CPython keeps freed frame-stack chunks: nothing to show")
+    roomy = [faults(lambda: descend(depth, lambda: with_frame_room(calls)))
+             for depth in range(300)]
+    assert max(roomy) < 50, max(roomy)

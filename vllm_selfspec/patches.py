@@ -1,8 +1,8 @@
 """Every vLLM symbol the plugin replaces, with the original kept.
 
-Sixteen attributes, each small and named here, are the whole contact surface
+Seventeen attributes, each small and named here, are the whole contact surface
 (seven run the methods, five keep a round that drafts nothing as cheap as a
-plain step, four count where tokens came from, with two fields added to vLLM
+plain step, one gives a step's Python frames room (`workers/frame_stack.py`), four count where tokens came from, with two fields added to vLLM
 dataclasses: `token_sources.py`); three more run vLLM's Ray
 executor on the CPU platform, only when
 `SELFSPEC_RAY_CPU=1` asks for it (`ray_cpu.py`). The test
@@ -67,6 +67,14 @@ PATCHES = (
         "vllm_selfspec.workers.hooks:sample_tokens_with_drafts",
         "send the step's drafts with the sampled tokens, saving the engine core's "
         "separate take_draft_token_ids message to the worker every step",
+    ),
+    Patch(
+        "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model",
+        "vllm_selfspec.workers.hooks:execute_model_with_frame_room",
+        "run the step's forward under a frame that opens a large frame-stack chunk: "
+        "vLLM's compiled graph calls its attention ops back into Python, and each "
+        "call mapped and unmapped a chunk of its own (every engine in a process "
+        "with the plugin, plain ones too, so comparisons stay fair)",
     ),
     Patch(
         "vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output",

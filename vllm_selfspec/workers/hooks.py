@@ -14,6 +14,7 @@ from vllm_selfspec.config import (
 )
 from vllm_selfspec.draft_tokens import NO_DRAFT
 from vllm_selfspec.patches import original
+from vllm_selfspec.workers.frame_stack import with_frame_room
 
 
 def _vllm_methods() -> set[str]:
@@ -117,10 +118,21 @@ SHIPPED_DRAFTS = "selfspec_draft_token_ids"
 def sample_tokens_with_drafts(self: Any, grammar_output: Any) -> Any:
     """vLLM's, with the drafts this step proposed on the output it returns:
     `EngineCore.post_step` would otherwise ask for them in a message round
-    trip of its own (0.24 ms of a 13.5 ms SmolLM2 step on the CPU)."""
-    return ship_drafts(self, original(
+    trip of its own (0.24 ms of a 13.5 ms SmolLM2 step on the CPU). Drafting
+    runs here, so it gets the frame room `execute_model` gets."""
+    return ship_drafts(self, with_frame_room(original(
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"
-    )(self, grammar_output))
+    ), self, grammar_output))
+
+
+def execute_model_with_frame_room(self: Any, scheduler_output: Any,
+                                  intermediate_tensors: Any = None) -> Any:
+    """vLLM's, under a frame with room for the compiled graph's Python op
+    calls (`workers/frame_stack.py`), in every engine: plain vLLM's steps
+    map a chunk per op call too, so the plugin's speed-ups are not this."""
+    return with_frame_room(original(
+        "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"
+    ), self, scheduler_output, intermediate_tensors)
 
 
 def ship_drafts(runner: Any, output: Any) -> Any:
