@@ -2,10 +2,10 @@
 
 Seventeen attributes, each small and named here, are the whole contact surface
 (seven run the methods, five keep a round that drafts nothing as cheap as a
-plain step, one gives a step's Python frames room (`workers/frame_stack.py`), four count where tokens came from, with two fields added to vLLM
-dataclasses: `token_sources.py`); three more run vLLM's Ray
-executor on the CPU platform, only when
-`SELFSPEC_RAY_CPU=1` asks for it (`ray_cpu.py`). The test
+plain step, one gives a step's Python frames room (`workers/frame_stack.py`),
+four count where tokens came from, with two fields added to vLLM dataclasses:
+`token_sources.py`); three more run vLLM's Ray executor on the CPU platform,
+only when `SELFSPEC_RAY_CPU=1` asks for it (`ray_cpu.py`). The test
 `tests/test_patches.py` checks that each target still exists in the installed
 vLLM and that applying twice is refused.
 """
