@@ -87,6 +87,12 @@ class Int8Linear(nn.Module):
         # A copy: kernels may convert or permute the bias they are given.
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
                                                            requires_grad=False)
+        # vLLM's CPU kernel takes its AMX (sgl) path by the int8 weight's shape
+        # alone, and that path takes only bf16/fp16 activations: a float32
+        # model's draft hands it bf16 ones (it quantises them to int8 anyway).
+        self.activation_dtype = torch.bfloat16 if (
+            weight.dtype == torch.float32 and not isinstance(self.kernel, DynamicInt8Kernel)
+            and cpu_int8_runs_sgl(*weight.shape)) else None
         self.kernel.process_weights_after_loading(self)
 
     @property
@@ -94,7 +100,9 @@ class Int8Linear(nn.Module):
         return self.out_features * self.in_features + 4 * self.out_features
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return _apply(self, x, bias)
+        if self.activation_dtype is None:
+            return _apply(self, x, bias)
+        return _apply(self, x.to(self.activation_dtype), bias).to(x.dtype)
 
 
 def _apply(linear: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -207,6 +215,17 @@ def vllm_int8_is_fast() -> bool:
     if not current_platform.is_cpu() or platform.machine().lower() not in ("x86_64", "amd64"):
         return True
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(cpu_flags()))
+
+
+def cpu_int8_runs_sgl(out_features: int, in_features: int) -> bool:
+    """Whether vLLM's CPU int8 kernel runs this shape through its AMX (sgl)
+    path, by the rule of its `process_weights_after_loading`."""
+    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    return (current_platform.is_cpu()
+            and current_platform.get_cpu_architecture() == CpuArchEnum.X86
+            and check_cpu_sgl_kernel(out_features, in_features, torch.int8))
 
 
 def _int8_kernel():
@@ -326,8 +345,12 @@ class Int4Linear(nn.Module):
         self.input_size_per_partition = self.input_size = k
         self.params_dtype = dtype
         self.has_bias = self.bias is not None
+        # The zero-point name, as vLLM's compressed-tensors scheme passes it: on
+        # an AMX CPU the kernel runs W4A8 (`VLLM_CPU_INT4_W4A8`), which needs
+        # zero points and makes the symmetric ones (8) under that name.
         return kernel_type(config, w_q_param_name="weight_packed",
-                           w_s_param_name="weight_scale")
+                           w_s_param_name="weight_scale",
+                           w_zp_param_name="weight_zero_point")
 
     @property
     def weight_bytes(self) -> int:
