@@ -49,17 +49,18 @@ def test_the_draft_reads_an_int8_copy_and_a_reduced_head(cheap, model_dir):
 
 def test_the_draft_forward_multiplies_in_int8(cheap):
     """The operators a draft forward spends its time in: this CPU's int8
-    kernel runs there, never in a plain one (vLLM's int8 activation
-    quantisation, or on an x86 CPU without VNNI or AMX fbgemm's dynamic
-    int8 linear)."""
+    kernel runs there, never in a plain one (vLLM's: oneDNN's int8 activation
+    quantisation, or on AMX the sgl kernel that quantises inside; on an x86
+    CPU without VNNI or AMX fbgemm's dynamic int8 linear)."""
     from vllm_selfspec.workers.draft_weights import int8_runs_fbgemm
 
     (profile,) = cheap.collective_rpc("selfspec_profile_forwards")
-    int8_op = "linear_dynamic" if int8_runs_fbgemm() else "int8_quant"
+    int8_ops = ("linear_dynamic",) if int8_runs_fbgemm() else (
+        "int8_quant", "int8_scaled_mm_with_quant")
 
     def int8_calls(forward: str) -> float:
         return sum(op["calls_per_step"] for op in profile[forward]["operators"]
-                   if int8_op in op["name"])
+                   if any(name in op["name"] for name in int8_ops))
 
     assert int8_calls("plain") == 0
     assert int8_calls("draft") >= 1
