@@ -2,7 +2,8 @@
 
 Every engine runs in this one process, one after another (with --interleave
 all at once, taking turns prompt by prompt), on the same prompts (HumanEval and
-MT-bench questions in the model's chat template), one request at a time,
+MT-bench questions in the model's chat template; --prompt-set every adds
+GSM-style and copy-heavy requests, reported set by set), one request at a time,
 greedy. Decode tokens/s is taken from vLLM's per-request timestamps (first to
 last token), so prefill is excluded. Results go to
 results/<name>.json and a PNG plot.
@@ -162,9 +163,14 @@ class Run:
     step_costs: dict | None = None
     generated: int = 0  # first repeat, prefill token included
     draft_layers: float = 0.0  # first repeat; ours from the drafter's counters
-    request_tokens_per_s: list[float] = field(default_factory=list)  # all repeats, in order
+    # (decode tokens, seconds) of every request, all repeats and starts, in prompt order
+    request_decode: list[tuple[int, float]] = field(default_factory=list)
     search_iterations: list[int] = field(default_factory=list)  # SWIFT: after each request
     request_sources: list[dict] = field(default_factory=list)  # first repeat, token_sources
+
+    @property
+    def request_tokens_per_s(self) -> list[float]:
+        return [tokens / seconds for tokens, seconds in self.request_decode]
 
     def tokens_per_loaded_layer(self, num_layers: int) -> float:
         """eTPL: generated tokens over layers run (each target forward runs all
@@ -285,7 +291,7 @@ def record_output(llm, run: Run, output, tally: list, counting: bool, batch: int
     """One request's decode speed, text and (when counting) drafts into `run`,
     and its tokens and seconds into `tally`."""
     decoded, decode_seconds = decode_time(output)
-    run.request_tokens_per_s.append(decoded / decode_seconds)
+    run.request_decode.append((decoded, decode_seconds / batch))
     if run.speculative_config and run.speculative_config["method"] == "swift":
         search = llm.collective_rpc("selfspec_search")[0]["tasks"]
         run.search_iterations.append(sum(task["iterations"] for task in search.values()))
@@ -294,21 +300,53 @@ def record_output(llm, run: Run, output, tally: list, counting: bool, batch: int
     tally[2].append(output.outputs[0].text)
     if counting:
         run.generated += decoded + 1
-    if counting and output.outputs[0].spec_decode_metrics is not None:
-        spec_stats = output.outputs[0].spec_decode_metrics
+    spec_stats = output.outputs[0].spec_decode_metrics
+    if counting:  # one entry per request, so that entries line up with prompts
+        run.request_sources.append(dict(spec_stats.token_sources) if spec_stats else {})
+    if counting and spec_stats is not None:
         run.drafted += spec_stats.num_draft_tokens
         run.accepted += accepted_tokens(spec_stats)
         run.rounds += sum(spec_stats.histogram)
-        run.request_sources.append(dict(spec_stats.token_sources))
 
 
-def benchmark_prompts(tokenizer, num_prompts: int, prompt_set: str = "mixed") -> list[str]:
-    """The benchmark's prompts in the model's chat template: half HumanEval,
-    half MT-bench ("mixed"), or the copy-heavy set ("copy")."""
-    half = num_prompts // 2
-    questions = (prompt_sets.copy_heavy(num_prompts) if prompt_set == "copy" else
-                 prompt_sets.humaneval(half) + prompt_sets.mtbench(num_prompts - half))
-    return prompt_sets.as_chat(tokenizer, questions)
+# `--prompt-set` names these, each `--num-prompts` requests; "every" is all
+# kinds in one run, requests of each kind in turn.
+PROMPT_SETS = {
+    "mixed": lambda count: (prompt_sets.humaneval(count // 2)
+                            + prompt_sets.mtbench(count - count // 2)),
+    "humaneval": prompt_sets.humaneval,
+    "mtbench": prompt_sets.mtbench,
+    "gsm": prompt_sets.gsm_style,
+    "copy": prompt_sets.copy_heavy,
+}
+EVERY_SET = ("humaneval", "mtbench", "gsm", "copy")
+
+
+def prompt_set_names(value: str) -> list[str]:
+    """`--prompt-set`'s value: one set, a comma-separated list, or "every"."""
+    names = list(EVERY_SET) if value == "every" else value.split(",")
+    unknown = [name for name in names if name not in PROMPT_SETS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown prompt set {', '.join(unknown)}: choose from "
+            f"{', '.join(PROMPT_SETS)} or every")
+    return names
+
+
+def benchmark_requests(num_prompts: int, sets: list[str]) -> list[tuple[str, str]]:
+    """(set, question) for `num_prompts` questions of each set, the sets taking
+    turns request by request (so that no set runs only on a fresh engine, or
+    only after another set has shaped the drafter's records)."""
+    questions = [PROMPT_SETS[name](num_prompts) for name in sets]
+    return [(sets[index], question) for group in zip(*questions)
+            for index, question in enumerate(group)]
+
+
+def benchmark_prompts(tokenizer, num_prompts: int, sets: list[str] = ("mixed",)) -> list[str]:
+    """The benchmark's prompts in the model's chat template: by default half
+    HumanEval, half MT-bench ("mixed")."""
+    return prompt_sets.as_chat(tokenizer, [question for _, question in
+                                           benchmark_requests(num_prompts, list(sets))])
 
 
 def run_engines(runs: list[Run], model_dir: Path, prompts: list[str], args) -> None:
@@ -432,7 +470,30 @@ def round_sources(request_sources: list[dict]) -> dict:
                                for s in rounds}}
 
 
-def summarize(runs: list[Run], num_layers: int, batch_size: int) -> list[dict]:
+def by_prompt_set(run: Run, plain: Run, labels: list[str]) -> dict[str, dict]:
+    """Each prompt set's decode tokens/s over its requests (all repeats), the
+    speed-up over plain on the same requests, and how its requests' rounds
+    drafted."""
+    def of_set(items: list, name: str) -> list:
+        return [item for index, item in enumerate(items)
+                if labels[index % len(labels)] == name]
+
+    def speed(decoded: list[tuple[int, float]]) -> float:
+        return sum(tokens for tokens, _ in decoded) / sum(seconds for _, seconds in decoded)
+
+    sets = {}
+    for name in dict.fromkeys(labels):
+        tokens_per_s = speed(of_set(run.request_decode, name))
+        sets[name] = {"tokens_per_s": round(tokens_per_s, 2),
+                      "speedup": round(tokens_per_s / speed(of_set(plain.request_decode, name)), 3),
+                      **round_sources(of_set(run.request_sources, name))}
+    return sets
+
+
+def summarize(runs: list[Run], num_layers: int, batch_size: int,
+              labels: list[str] | None = None) -> list[dict]:
+    """One row per run; with `labels` (each prompt's set) naming several sets,
+    also each set's speed-up and round sources (`by_prompt_set`)."""
     plain = next(r for r in runs if r.name == "plain")
     base = statistics.mean(plain.tokens_per_s)
     rows = []
@@ -467,6 +528,8 @@ def summarize(runs: list[Run], num_layers: int, batch_size: int) -> list[dict]:
             "eTPL": round(run.tokens_per_loaded_layer(num_layers), 4),
             "startup_s": round(run.startup_s, 1),
         }
+        if labels and len(set(labels)) > 1:
+            row["by_prompt_set"] = by_prompt_set(run, plain, labels)
         if run.step_costs:
             forward_cost = run.step_costs["cost_ratio"]
             row["forward_cost_ratio"] = round(forward_cost, 3)
@@ -550,6 +613,32 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     right.set_ylim(0, 1.05)
     right.tick_params(axis="x", rotation=30)
     fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_prompt_sets(rows: list[dict], path: Path, title: str) -> None:
+    """Each method's speed-up over plain vLLM, one group of bars per prompt set."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = list(rows[0]["by_prompt_set"])
+    methods = rows[1:]
+    width = 0.8 / max(len(methods), 1)
+    fig, axis = plt.subplots(figsize=(12, 4.5))
+    for index, row in enumerate(methods):
+        axis.bar([position + index * width for position in range(len(sets))],
+                 [row["by_prompt_set"][name]["speedup"] for name in sets], width,
+                 label=row["method"])
+    axis.set_xticks([position + width * (len(methods) - 1) / 2
+                     for position in range(len(sets))], sets)
+    axis.axhline(1.0, color="grey", lw=0.8)
+    axis.axhline(0.97, color="tab:red", lw=0.8, ls="--", label="0.97x plain")
+    axis.set_ylabel("decode speed-up vs plain vLLM (batch 1)")
+    axis.legend(fontsize=7, ncol=2)
+    axis.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -647,10 +736,13 @@ def main() -> None:
     parser.add_argument("--methods", help="comma-separated subset of the methods")
     parser.add_argument("--config", action="append", default=[], metavar="NAME=JSON",
                         help="also run this speculative config under NAME (repeatable)")
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--prompt-set", choices=("mixed", "copy"), default="mixed",
-                        help="mixed: HumanEval + MT-bench questions; copy: requests whose "
-                             "answers repeat their prompts (code edits, rewrites)")
+    parser.add_argument("--num-prompts", type=int, default=8, help="per prompt set")
+    parser.add_argument("--prompt-set", type=prompt_set_names, default=["mixed"],
+                        help="mixed (default): HumanEval + MT-bench questions; humaneval; "
+                             "mtbench; gsm: GSM-style math problems; copy: requests whose "
+                             "answers repeat their prompts (code edits, rewrites); several "
+                             "comma-separated, or every (humaneval,mtbench,gsm,copy): "
+                             "--num-prompts of each, taking turns, each set reported apart")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--engine-starts", type=int, default=1,
@@ -720,7 +812,9 @@ def main() -> None:
         ExitHeads.open(str(CONFIGS_DIR / "heads" / heads)).exit_layers if heads else [])
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = benchmark_prompts(tokenizer, args.num_prompts, args.prompt_set)
+    requests = benchmark_requests(args.num_prompts, args.prompt_set)
+    labels = [name for name, _ in requests]
+    prompts = prompt_sets.as_chat(tokenizer, [question for _, question in requests])
 
     configs = method_configs(model_dir, args)
     extra = dict(item.split("=", 1) for item in args.config)
@@ -740,7 +834,7 @@ def main() -> None:
     if args.del_step_overhead is not None:
         runs.append(del_with_step_overhead(model_dir, prompts, args))
 
-    rows = summarize(runs, args.num_layers, args.batch_size)
+    rows = summarize(runs, args.num_layers, args.batch_size, labels)
     sweep = threshold_sweep(model_dir, prompts, runs[0], args) if args.threshold_sweep else []
     grid = static_exit_grid(model_dir, prompts, runs[0], args) if args.del_grid else []
     trace = del_trace(model_dir, prompt_sets.as_chat(
@@ -751,6 +845,7 @@ def main() -> None:
     payload = {"command": command.strip(), "model": args.model, "dtype": args.dtype,
                "cpu_flags": cpu_flags(), "batch_size": args.batch_size,
                "eager": args.eager, "prompts": len(prompts), "max_tokens": args.max_tokens,
+               "prompt_sets": args.prompt_set, "prompt_set_of_each": labels,
                "repeats": args.repeats, "engine_starts": args.engine_starts,
                "interleaved": args.interleave, "rows": rows,
                "threshold_sweep": sweep,
@@ -759,11 +854,15 @@ def main() -> None:
                "step_costs": {r.name: r.step_costs for r in runs if r.step_costs},
                "per_request": {r.name: {"tokens_per_s": [round(x, 2) for x in
                                                          r.request_tokens_per_s],
+                                        "token_sources": r.request_sources,
                                         "search_iterations": r.search_iterations}
                                for r in runs}}
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
     plot(rows, RESULTS / f"{name}.png", f"{args.model} ({args.dtype}), {len(prompts)} "
          f"prompts x {args.max_tokens} tokens, batch {args.batch_size}")
+    if "by_prompt_set" in rows[0]:
+        plot_prompt_sets(rows, RESULTS / f"{name}-sets.png", f"{args.model} ({args.dtype}), "
+                         f"{args.num_prompts} prompts per set x {args.max_tokens} tokens")
     if sweep:
         plot_sweep(sweep, RESULTS / f"{name}-adadecode-threshold.png", args.model)
     if trace:
@@ -796,7 +895,25 @@ def print_table(rows: list[dict], args, num_prompts: int) -> None:
             "/".join(f"{100 * share:.0f}" for share in row["round_sources"].values())
             if "round_sources" in row else "-"),
             file=CONSOLE)
+    if "by_prompt_set" in rows[0]:
+        print_prompt_sets(rows)
     print(reading(rows, args.dtype), file=CONSOLE)
+
+
+def print_prompt_sets(rows: list[dict]) -> None:
+    """Speed-up per prompt set and, for the sets, how rounds drafted."""
+    sets = list(rows[0]["by_prompt_set"])
+    line = "{:<26}" + "{:>24}" * len(sets)
+    print("\nby prompt set: speed-up (rounds self/lookup/none %)", file=CONSOLE)
+    print(line.format("method", *sets), file=CONSOLE)
+    for row in rows[1:]:
+        cells = []
+        for name in sets:
+            entry = row["by_prompt_set"][name]
+            sources = "/".join(f"{100 * share:.0f}" for share in
+                               entry["round_sources"].values()) if "round_sources" in entry else "-"
+            cells.append(f"{entry['speedup']:.2f}x ({sources})")
+        print(line.format(row["method"], *cells), file=CONSOLE)
 
 
 def reading(rows: list[dict], dtype: str) -> str:

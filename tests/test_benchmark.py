@@ -1,5 +1,5 @@
 """The benchmark's arithmetic, without an engine: speed-ups and their spread
-over repeats of one engine start and over several starts."""
+over repeats of one engine start and over several starts, and by prompt set."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 
-from benchmark import Run, engine_order, summarize, turns
+from benchmark import (Run, benchmark_requests, engine_order, prompt_set_names, summarize,
+                       turns)
 
 
 def run_with(name: str, starts: list[list[float]]) -> Run:
@@ -98,3 +99,33 @@ def test_step_pieces_count_decode_steps_only():
     time_step_pieces(runner, start=True)  # clears; the timers stay installed once
     runner.sample_tokens(None)
     assert time_step_pieces(runner, start=False) == {"sample_tokens": [1, pytest.approx(0, abs=0.1)]}
+
+
+def test_every_prompt_set_takes_turns_request_by_request():
+    """`--prompt-set every`: the issue's four kinds, as many of each, in turn."""
+    requests = benchmark_requests(2, prompt_set_names("every"))
+    assert [name for name, _ in requests] == ["humaneval", "mtbench", "gsm", "copy"] * 2
+    assert len({question for _, question in requests}) == 8
+    assert [name for name, _ in benchmark_requests(4, ["mixed"])] == ["mixed"] * 4
+    with pytest.raises(Exception, match="unknown prompt set math"):
+        prompt_set_names("gsm,math")
+
+
+def test_each_prompt_set_is_compared_on_its_own_requests():
+    """A set's speed-up is its requests' tokens over their seconds against
+    plain's same requests (every repeat), and its round sources its own."""
+    labels = ["code", "copy"]
+    plain, ours = run_with("plain", [[100, 100]]), run_with("ngram", [[100, 100]])
+    plain.request_decode = [(100, 1.0), (100, 1.0)] * 2  # two repeats
+    ours.request_decode = [(100, 1.0), (100, 0.5), (100, 1.0), (100, 0.25)]
+    ours.request_sources = [{"self_rounds": 3, "none_rounds": 1},
+                            {"lookup_rounds": 2, "none_rounds": 2}]
+    plain.request_sources = [{}, {}]
+    plain_row, row = summarize([plain, ours], num_layers=30, batch_size=1, labels=labels)
+    assert row["by_prompt_set"]["code"]["speedup"] == 1.0
+    assert row["by_prompt_set"]["copy"]["speedup"] == round(200 / 0.75 / 100, 3)
+    assert row["by_prompt_set"]["code"]["round_sources"] == {
+        "self": 0.75, "lookup": 0.0, "none": 0.25}
+    assert row["by_prompt_set"]["copy"]["round_sources"]["lookup"] == 0.5
+    assert "round_sources" not in plain_row["by_prompt_set"]["copy"]
+    assert "by_prompt_set" not in summarize([plain, ours], 30, 1, ["code", "code"])[1]
