@@ -360,6 +360,17 @@ def test_round_clock_fits_fixed_and_per_draft_costs_from_steady_rounds():
     costs = convex.costs(prior)[1]
     assert costs.round_overhead == 0.0
     assert abs(costs.per_draft - (0.6 - 0.2 * 4 / 10)) < 1e-6
+    # Rounds whose cost varies (an early exit's depth) cost their mean, not
+    # their median; a pause of the machine (the slowest tenth) does not count.
+    spread = RoundClock()
+    for i in range(19):
+        spread.record_plain(1, plain_s, round_index=i)
+        for steps in (1, 2):
+            extra = 0.4 * steps if i < 14 else 0.4 * steps + 0.7 if i < 18 else 30.0
+            spread.record_drafted(1, steps, plain_s * (1 + extra))
+    costs = spread.costs(prior)[1]
+    assert abs(costs.per_draft - 0.4) < 1e-6
+    assert abs(costs.round_overhead - 0.7 * 4 / 18) < 1e-6  # the median's would be 0
     few = RoundClock()
     few.record_plain(1, plain_s, round_index=0)
     few.record_drafted(1, 4, plain_s * 3)
