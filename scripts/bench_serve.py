@@ -29,8 +29,7 @@ RESULTS = ROOT / "results"
 
 
 def write_prompts(path: Path, count: int, output_tokens: int) -> Path:
-    half = count // 2
-    questions = prompt_sets.humaneval(half) + prompt_sets.mtbench(count - half)
+    questions = prompt_sets.code_then_chat(count)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"prompt": q, "output_tokens": output_tokens}) + "\n"
                             for q in questions))

@@ -312,8 +312,7 @@ def record_output(llm, run: Run, output, tally: list, counting: bool, batch: int
 # `--prompt-set` names these, each `--num-prompts` requests; "every" is all
 # kinds in one run, requests of each kind in turn.
 PROMPT_SETS = {
-    "mixed": lambda count: (prompt_sets.humaneval(count // 2)
-                            + prompt_sets.mtbench(count - count // 2)),
+    "mixed": prompt_sets.code_then_chat,
     "humaneval": prompt_sets.humaneval,
     "mtbench": prompt_sets.mtbench,
     "gsm": prompt_sets.gsm_style,

@@ -73,6 +73,11 @@ def as_chat(tokenizer, questions: list[str]) -> list[str]:
     ]
 
 
+def code_then_chat(count: int) -> list[str]:
+    """Half HumanEval, then half MT-bench: the benchmarks' default set."""
+    return humaneval(count // 2) + mtbench(count - count // 2)
+
+
 def mixed(count: int) -> list[str]:
     """Half HumanEval, half MT-bench, alternating (raw text, no chat template)."""
     code, chat = humaneval(count), mtbench(count)
