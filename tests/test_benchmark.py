@@ -4,11 +4,13 @@ over repeats of one engine start and over several starts, and by prompt set."""
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
+from vllm.engine.arg_utils import EngineArgs
 
-from benchmark import (Run, benchmark_requests, engine_order, prompt_set_names, summarize,
-                       turns)
+from benchmark import (Run, benchmark_requests, engine_order, method_configs, prompt_set_names,
+                       summarize, turns, unbalanced_first_start)
 
 
 def run_with(name: str, starts: list[list[float]]) -> Run:
@@ -43,6 +45,20 @@ def test_interleaved_engines_follow_each_other_equally_often(num_engines):
     follows = Counter(pair for order in orders for pair in zip(order, order[1:]))
     assert len(set(follows.values())) <= 1
     assert len(follows) == num_engines * (num_engines - 1)
+
+
+@pytest.mark.parametrize("num_engines", [2, 3, 4, 5, 6])
+def test_first_start_warning_exactly_when_some_engine_never_starts_first(num_engines):
+    """The warning names the imbalance whenever some engine misses the first
+    place more often than another, and is silent once starts balance it."""
+    for starts in range(1, 2 * num_engines + 1):
+        firsts = Counter(turns(num_engines, index)[0] for index in range(starts))
+        balanced = len(firsts) == num_engines and len(set(firsts.values())) == 1
+        warning = unbalanced_first_start(num_engines, starts)
+        assert (warning is None) == balanced
+        if warning:
+            assert f"--engine-starts {num_engines}" in warning
+    assert unbalanced_first_start(1, 1) is None
 
 
 def test_one_start_spreads_over_its_repeats():
@@ -129,3 +145,22 @@ def test_each_prompt_set_is_compared_on_its_own_requests():
     assert row["by_prompt_set"]["copy"]["round_sources"]["lookup"] == 0.5
     assert "round_sources" not in plain_row["by_prompt_set"]["copy"]
     assert "by_prompt_set" not in summarize([plain, ours], 30, 1, ["code", "code"])[1]
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "model-without-shipped-files"])
+def test_every_method_default_is_a_valid_config(model, model_dir, tiny_llama_dir):
+    """The benchmark's default config of each method makes an engine config for
+    a model with shipped files (skip set, heads, vocabulary) and for one without
+    any (Qwen2.5-Coder-1.5B's `draft_verify` once named a config file it lacks).
+    SWIFT needs more layers than the small model's three."""
+    shipped = model == "smollm2-135m"
+    path = model_dir if shipped else tiny_llama_dir
+    configs = method_configs(path, SimpleNamespace(model=model, dtype="float32",
+                                                   del_exits=None))
+    names = ("draft_verify", "del", "recommended") + (("adadecode", "swift") if shipped else ())
+    for name in names:
+        engine = EngineArgs(model=str(path), dtype="float32", max_model_len=512,
+                            block_size=32, speculative_config=configs[name])
+        config = engine.create_engine_config().speculative_config
+        assert config.method == configs[name]["method"]
+    assert ("config_file" in configs["draft_verify"]) == shipped
