@@ -380,14 +380,14 @@ def engine_order(runs: list[Run], engine_starts: int) -> list[Run]:
 
 def unbalanced_first_start(num_engines: int, engine_starts: int) -> str | None:
     """A warning when interleaved engines will not each start first equally
-    often: the engine started first has decoded 2-7 % slower than the rest on
+    often: the engine started first has decoded 2-16 % slower than the rest on
     these machines (docs/results.md, "The engine started first is the slow
     one"), which a ratio against it would carry."""
     if num_engines < 2 or engine_starts % num_engines == 0:
         return None
     return (f"{num_engines} engines interleaved over {engine_starts} start(s): not every "
             f"engine starts first equally often, and the first-started engine has run "
-            f"2-7 % slower here; --engine-starts {num_engines} (or a multiple) balances it")
+            f"2-16 % slower here; --engine-starts {num_engines} (or a multiple) balances it")
 
 
 def step_costs(llm, spec: dict | None) -> dict | None:
@@ -866,7 +866,8 @@ def main() -> None:
                "eager": args.eager, "prompts": len(prompts), "max_tokens": args.max_tokens,
                "prompt_sets": args.prompt_set, "prompt_set_of_each": labels,
                "repeats": args.repeats, "engine_starts": args.engine_starts,
-               "interleaved": args.interleave, "start_orders": [[run.name for run in order] for order in start_orders],
+               "interleaved": args.interleave,
+               "start_orders": [[run.name for run in order] for order in start_orders],
                "rows": rows,
                "threshold_sweep": sweep,
                "static_exit_grid": grid, "del_trace": trace,
