@@ -371,11 +371,12 @@ def run_engines(runs: list[Run], model_dir: Path, prompts: list[str], args) -> N
         shutdown(llm)
 
 
-def engine_order(runs: list[Run], engine_starts: int) -> list[Run]:
+def engine_order(runs: list[Run], engine_starts: int) -> list[list[Run]]:
     """Every run once per start, each start in the next order of `turns`:
     neither a slow spell of the machine nor a place in the order (first
-    after a previous engine's exit, say) lands on one method."""
-    return [runs[place] for start in range(engine_starts) for place in turns(len(runs), start)]
+    after a previous engine's exit, or first of interleaved engines) lands
+    on one method."""
+    return [[runs[place] for place in turns(len(runs), start)] for start in range(engine_starts)]
 
 
 def unbalanced_first_start(num_engines: int, engine_starts: int) -> str | None:
@@ -839,8 +840,7 @@ def main() -> None:
     if "plain" not in chosen:
         chosen.insert(0, "plain")
     runs = [Run(name, configs[name]) for name in chosen]
-    start_orders = [[runs[place] for place in turns(len(runs), start_index)]
-                    for start_index in range(args.engine_starts)] if args.interleave else []
+    start_orders = engine_order(runs, args.engine_starts)
     imbalance = unbalanced_first_start(len(runs), args.engine_starts) if args.interleave else None
     if imbalance:
         print(f"warning: {imbalance}", file=CONSOLE)
@@ -848,7 +848,8 @@ def main() -> None:
         for order in tqdm(start_orders, desc="engine starts", file=CONSOLE):
             run_engines(order, model_dir, prompts, args)
     else:
-        for run in tqdm(engine_order(runs, args.engine_starts), desc="engines", file=CONSOLE):
+        for run in tqdm([run for order in start_orders for run in order], desc="engines",
+                        file=CONSOLE):
             run_engines([run], model_dir, prompts, args)
     if args.del_step_overhead is not None:
         runs.append(del_with_step_overhead(model_dir, prompts, args))
