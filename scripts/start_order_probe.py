@@ -28,7 +28,6 @@ import time
 from multiprocessing.connection import Connection
 
 import torch
-from benchmark import RESULTS, turns
 
 from vllm_selfspec.assets import cpu_flags
 
@@ -57,6 +56,9 @@ def decode_worker(conn: Connection, weights_gb: float) -> None:
 
 def run_start(start: int, args: argparse.Namespace) -> list[dict]:
     """One start: workers started in this start's order, then `--turns` turns."""
+    # Imported here: spawned workers import this module and need only torch, not vLLM.
+    from benchmark import turns
+
     context = multiprocessing.get_context("spawn")
     ballast = torch.ones(int(args.ballast_gb * 2**28)) if args.ballast_gb else None
     processes, pipes = [], {}
@@ -115,6 +117,8 @@ def main() -> None:
         penalty = first["median_s"] / statistics.mean(rest) - 1
         print(f"start {first['start']}: first-started {penalty:+.1%} against the others")
     if args.name:
+        from benchmark import RESULTS
+
         path = RESULTS / f"{args.name}.json"
         command = "python scripts/start_order_probe.py " + " ".join(sys.argv[1:])
         path.write_text(json.dumps({"command": command, "cpu_flags": cpu_flags(), "rows": rows},
