@@ -31,7 +31,7 @@ import torch
 
 from vllm_selfspec.assets import cpu_flags
 
-ROWS, COLS = 8960, 1536  # Qwen2.5-1.5B's MLP up-projection, transposed
+ROWS, COLS = 8960, 1536  # Qwen2.5-1.5B's MLP up-projection weight (out, in)
 
 
 def decode_worker(conn: Connection, weights_gb: float) -> None:
@@ -54,6 +54,15 @@ def decode_worker(conn: Connection, weights_gb: float) -> None:
         conn.send((time.perf_counter() - began) / passes)
 
 
+def spawn_worker(context, weights_gb: float) -> tuple[multiprocessing.Process, Connection]:
+    """A started worker and its pipe, once it holds its weights and has run its kernels."""
+    parent_end, child_end = context.Pipe()
+    process = context.Process(target=decode_worker, args=(child_end, weights_gb))
+    process.start()
+    parent_end.recv()
+    return process, parent_end
+
+
 def run_start(start: int, args: argparse.Namespace) -> list[dict]:
     """One start: workers started in this start's order, then `--turns` turns."""
     # Imported here: spawned workers import this module and need only torch, not vLLM.
@@ -61,20 +70,11 @@ def run_start(start: int, args: argparse.Namespace) -> list[dict]:
 
     context = multiprocessing.get_context("spawn")
     ballast = torch.ones(int(args.ballast_gb * 2**28)) if args.ballast_gb else None
-    processes, pipes = [], {}
-    if args.dummy_gb:
-        dummy_end, child_end = context.Pipe()
-        processes.append(context.Process(target=decode_worker, args=(child_end, args.dummy_gb)))
-        processes[-1].start()
-        dummy_end.recv()
-        pipes["dummy"] = dummy_end
+    started = {"dummy": spawn_worker(context, args.dummy_gb)} if args.dummy_gb else {}
     order = turns(args.workers, start)
     for worker in order:
-        parent_end, child_end = context.Pipe()
-        processes.append(context.Process(target=decode_worker, args=(child_end, args.weights_gb)))
-        processes[-1].start()
-        parent_end.recv()
-        pipes[worker] = parent_end
+        started[worker] = spawn_worker(context, args.weights_gb)
+    pipes = {worker: pipe for worker, (_, pipe) in started.items()}
     del ballast
     seconds: dict[int, list[float]] = {worker: [] for worker in order}
     for turn in range(args.turns):
@@ -83,7 +83,7 @@ def run_start(start: int, args: argparse.Namespace) -> list[dict]:
             seconds[worker].append(pipes[worker].recv())
     for pipe in pipes.values():
         pipe.send(None)
-    for process in processes:
+    for process, _ in started.values():
         process.join()
     return [{"start": start + 1, "worker": worker, "place": order.index(worker) + 1,
              "median_s": statistics.median(seconds[worker]), "seconds": seconds[worker]}

@@ -171,7 +171,8 @@ def test_start_order_probe_rotates_who_starts_first():
     benchmark's `turns`), beside an idle process, and times every turn."""
     from start_order_probe import run_start
 
-    args = SimpleNamespace(workers=2, weights_gb=0.01, turns=2, passes=1, dummy_gb=0.01, ballast_gb=0.01)
+    args = SimpleNamespace(workers=2, weights_gb=0.01, turns=2, passes=1, dummy_gb=0.01,
+                           ballast_gb=0.01)
     rows = run_start(1, args)
     assert [(row["worker"], row["place"]) for row in rows] == [(1, 1), (0, 2)]
     assert all(len(row["seconds"]) == 2 and row["median_s"] > 0 for row in rows)
