@@ -95,6 +95,23 @@ def test_a_setting_that_never_drafted_has_no_ideal_speedup():
     assert "ideal_speedup_forwards" not in row and "ideal_speedup_S*" not in row
 
 
+def test_search_share_is_over_the_start_it_was_timed_in():
+    """SWIFT's search time comes from one engine (the first start's), so its
+    share is of that start's decoding: over all four starts it read 1 % where
+    the engine spent 4 % of its decoding searching."""
+    plain, ours = run_with("plain", [[100]] * 4), run_with("swift", [[95]] * 4)
+    ours.speculative_config = {"method": "swift"}
+    ours.decode_seconds, ours.first_start_decode_seconds = 132.0, 33.0
+    ours.step_costs = {"cost_ratio": 0.6, "fraction_of_sublayers_run": 0.6,
+                       "rounds": {"drafted": {}, "shared": {}},
+                       "draft_copy_bytes": 0, "model_bytes": 1,
+                       "search": {"optimise_seconds": 1.32, "futile_rounds": 0,
+                                  "tasks": {"default": {"iterations": 1}}}}
+    _, row = summarize([plain, ours], num_layers=30, batch_size=1)
+    assert row["optimise_share_of_decode"] == 0.04
+    assert row["search_candidates"] == 1
+
+
 def test_step_pieces_count_decode_steps_only():
     """profile_step.py's timer: a step that schedules a new prompt is left
     out of every piece, so the pieces span what decode timestamps span."""
