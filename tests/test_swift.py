@@ -135,7 +135,8 @@ def test_compiled_engine_compiles_the_learned_set(smollm2_first_layers_dir, test
                                                  tmp_path, monkeypatch):
     """A compiled engine drafts with the uniform set's start-up graph while
     the search runs and, once it ends, with the learned set compiled; the
-    outputs stay the target's, and no graph of the learned set is saved."""
+    outputs stay the target's, scoring candidates compiles nothing (start-up
+    warmed the uncompiled draft), and no graph of the learned set is saved."""
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     spec = {"method": "swift", "context_window": 16, "max_iterations": 20}
     llm = start_engine(spec, model=str(smollm2_first_layers_dir), enforce_eager=False,
@@ -153,6 +154,7 @@ def test_compiled_engine_compiles_the_learned_set(smollm2_first_layers_dir, test
         assert (search["attn_skip"], search["mlp_skip"]) == (
             report["drafting"]["attn_skip"], report["drafting"]["mlp_skip"])
         assert report["drafting"]["compiled"]
+        assert report["scoring_compiles"] == 0, "a request waited for a compile while scoring"
         assert set(report["compile_seconds"]) == {"default"}, \
             "the search kept the uniform set: nothing to compile"
         acceptance = Acceptance()

@@ -75,6 +75,13 @@ def task_name(key: object) -> str | None:
     return key if isinstance(key, str) and TASK_NAME.fullmatch(key) else None
 
 
+def compiled_frames() -> int:
+    """Frames `torch.compile` has traced in this process (dynamo's own count)."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["ok"]
+
+
 def export_path(export_dir: str, task: str) -> Path:
     """`<export_dir>/<task>.json`, refused unless it stays inside export_dir."""
     root = Path(export_dir).resolve()
@@ -180,6 +187,7 @@ class SwiftProposer(SelfSpecProposer):
         self.refused_keys = Counter()  # task keys sent to "default", by reason
         self.engine_steps = 0
         self.optimise_seconds = 0.0  # for reports only, never for decisions
+        self.scoring_compiles = 0  # torch.compile frames traced while scoring: reports only
         self.next_search_round = 0  # cost-aware: the engine round a step may score in
         # cost-aware: rounds that would have scored had any set been able to pay
         self.futile_rounds = 0
@@ -197,6 +205,18 @@ class SwiftProposer(SelfSpecProposer):
         super().load_model(target_model)
         if not getattr(self.model, "do_not_compile", True):
             self.compiled_drafts[self.drafting_set] = self.model
+
+    def time_costs(self) -> None:
+        """Also runs the uncompiled draft once at the scoring window's size and
+        at one token (a learned set drafting uncompiled): in a compiled engine
+        its first call traces vLLM's compiled activation, 0.2-1 s a user's
+        request would otherwise wait (docs/results.md)."""
+        super().time_costs()
+        from vllm_selfspec.workers.profiling import warm_up
+
+        draft = self.eager_draft(self.drafting_set.plan())
+        for num_tokens in sorted({1, self.options.context_window}):
+            warm_up(draft, self.vllm_config, num_tokens)
 
     def uniform_set(self, num_layers: int) -> SkipSet:
         return SkipSet.uniform(num_layers, skip_count(num_layers, self.options.skip_ratio))
@@ -236,10 +256,11 @@ class SwiftProposer(SelfSpecProposer):
                  if self.options.cost_aware else None)  # a drafting round has costs
         if (self.engine_steps % self.options.optimise_every == 0
                 and (costs is None or self.counters.rounds >= self.next_search_round)):
-            started = time.perf_counter()
+            started, frames = time.perf_counter(), compiled_frames()
             scored = self.optimise(req_ids, tasks, verified, costs)
             seconds = time.perf_counter() - started
             self.optimise_seconds += seconds
+            self.scoring_compiles += compiled_frames() - frames
             if scored and costs is not None:
                 self.space_search(len(req_ids), seconds)
         counts = Counter(tasks)
@@ -387,6 +408,7 @@ class SwiftProposer(SelfSpecProposer):
                              "compiled": self.drafting_set in self.compiled_drafts},
                 "compile_seconds": dict(self.compile_seconds),
                 "optimise_seconds": self.optimise_seconds,
+                "scoring_compiles": self.scoring_compiles,
                 "futile_rounds": self.futile_rounds,
                 "refused_task_keys": dict(self.refused_keys)}
 

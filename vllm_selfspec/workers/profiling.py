@@ -87,6 +87,17 @@ def _forward_step(model, batch_size: int) -> Callable[[], None]:
     return step
 
 
+def warm_up(model, vllm_config, num_tokens: int) -> None:
+    """One forward and LM head of `model` over `num_tokens` tokens, in
+    profiling mode and in inference mode as serving runs, so that what a
+    module's first call at a shape costs is paid now and not inside a user's
+    request: vLLM's `torch.compile`d activation inside uncompiled layers
+    (traced at first call; its guards include the grad mode) and oneDNN's
+    primitives for the shape."""
+    with torch.inference_mode():
+        _in_profiling_mode(_forward_step(model, num_tokens), vllm_config, num_tokens)()
+
+
 def _time_forward(model, vllm_config, batch_size: int, repeats: int) -> float:
     return _median_seconds(_forward_step(model, batch_size), vllm_config, batch_size, repeats)
 
