@@ -80,15 +80,20 @@ def test_several_starts_compare_each_with_plains_same_start():
     assert plain_row["speedup_spread"] == [round(80 / 90, 3), round(100 / 90, 3)]
 
 
+def costs_of_engine_that_never_drafted(**measured) -> dict:
+    """`selfspec_step_costs` of an engine with no drafted round timed."""
+    return {"rounds": {"drafted": {}, "shared": {}}, "draft_copy_bytes": 0,
+            "model_bytes": 1, **measured}
+
+
 def test_a_setting_that_never_drafted_has_no_ideal_speedup():
     """A method that declined every round (step costs measured, no round
     drafted) is summarised with its speed and without S*: it crashed the
     summary once, after a 38-minute run."""
     plain, ours = run_with("plain", [[100, 100]]), run_with("del", [[95, 97]])
     ours.speculative_config = {"method": "del"}
-    ours.step_costs = {"cost_ratio": 0.5, "fraction_of_sublayers_run": 0.4,
-                       "rounds": {"drafted": {}, "shared": {}},
-                       "draft_copy_bytes": 0, "model_bytes": 1}
+    ours.step_costs = costs_of_engine_that_never_drafted(cost_ratio=0.5,
+                                                         fraction_of_sublayers_run=0.4)
     _, row = summarize([plain, ours], num_layers=30, batch_size=1)
     assert row["speedup"] == 0.96
     assert row["forward_cost_ratio"] == 0.5 and row["mean_accepted_length"] is None
@@ -102,11 +107,10 @@ def test_search_share_is_over_the_start_it_was_timed_in():
     plain, ours = run_with("plain", [[100]] * 4), run_with("swift", [[95]] * 4)
     ours.speculative_config = {"method": "swift"}
     ours.decode_seconds, ours.first_start_decode_seconds = 132.0, 33.0
-    ours.step_costs = {"cost_ratio": 0.6, "fraction_of_sublayers_run": 0.6,
-                       "rounds": {"drafted": {}, "shared": {}},
-                       "draft_copy_bytes": 0, "model_bytes": 1,
-                       "search": {"optimise_seconds": 1.32, "futile_rounds": 0,
-                                  "tasks": {"default": {"iterations": 1}}}}
+    ours.step_costs = costs_of_engine_that_never_drafted(
+        cost_ratio=0.6, fraction_of_sublayers_run=0.6,
+        search={"optimise_seconds": 1.32, "futile_rounds": 0,
+                "tasks": {"default": {"iterations": 1}}})
     _, row = summarize([plain, ours], num_layers=30, batch_size=1)
     assert row["optimise_share_of_decode"] == 0.04
     assert row["search_candidates"] == 1
