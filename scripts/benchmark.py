@@ -16,6 +16,7 @@ results/<name>.json and a PNG plot.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -156,6 +157,7 @@ class Run:
     texts: list[str] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)  # one per repeat, all starts
     start_tokens_per_s: list[float] = field(default_factory=list)  # mean of each engine start
+    start_machine_speed: list[float] = field(default_factory=list)  # median GB/s, each start
     drafted: int = 0
     accepted: int = 0
     rounds: int = 0
@@ -246,6 +248,7 @@ def measure_together(engines: list[tuple[Run, object]], prompts: list[str], args
         counted.append(llm.collective_rpc("selfspec_counters")[0] if ours else None)
     first_start = [not run.start_tokens_per_s for run, _ in engines]
     speeds: list[list[float]] = [[] for _ in engines]
+    machine: list[list[float]] = [[machine_speed()] for _ in engines]
     batch = args.batch_size
     starts = range(0, len(prompts), batch)
     label = engines[0][0].name if len(engines) == 1 else "engines in turn"
@@ -261,6 +264,7 @@ def measure_together(engines: list[tuple[Run, object]], prompts: list[str], args
                 for output in llm.generate(prompts[start:start + batch], params,
                                            use_tqdm=False):
                     record_output(llm, run, output, tally, counting, batch)
+                machine[place].append(machine_speed())
         for place, (run, llm) in enumerate(engines):
             tokens, seconds, texts = tallies[place]
             if first_start[place] and repeat == 0 and counted[place] is not None:
@@ -275,6 +279,41 @@ def measure_together(engines: list[tuple[Run, object]], prompts: list[str], args
     for place, (run, _) in enumerate(engines):
         run.tokens_per_s.extend(speeds[place])
         run.start_tokens_per_s.append(statistics.mean(speeds[place]))
+        run.start_machine_speed.append(statistics.median(machine[place]))
+
+
+# Bytes of weights the machine-speed probe streams: beyond any cache, like a
+# decode step's.
+PROBE_BYTES = 256 * 2**20
+
+
+@functools.cache
+def _probe_operands():
+    import torch
+
+    rows = 4096
+    return torch.randn(rows, PROBE_BYTES // 4 // rows), torch.randn(PROBE_BYTES // 4 // rows)
+
+
+def machine_speed() -> float:
+    """GB/s one thread streams through a float32 matrix-vector product over
+    256 MB of weights, as a decode step streams its weights. These VMs' slow
+    spells are in memory (thirty-first session: 0.2 GB/s against 11, while
+    cache-resident work ran at full speed), so an engine start during which
+    the probe read slower than during plain's has a ratio that is partly the
+    machine's."""
+    import torch
+
+    weights, vector = _probe_operands()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the engine's worker computes
+    try:
+        started = time.perf_counter()
+        for _ in range(4):
+            torch.mv(weights, vector)
+        return 4 * PROBE_BYTES / (time.perf_counter() - started) / 1e9
+    finally:
+        torch.set_num_threads(threads)
 
 
 def turns(num_engines: int, index: int) -> list[int]:
@@ -545,6 +584,8 @@ def summarize(runs: list[Run], num_layers: int, batch_size: int,
             "eTPL": round(run.tokens_per_loaded_layer(num_layers), 4),
             "startup_s": round(run.startup_s, 1),
         }
+        if run.start_machine_speed:
+            row.update(machine_rows(run, plain))
         if labels and len(set(labels)) > 1:
             row["by_prompt_set"] = by_prompt_set(run, plain, labels)
         if run.step_costs:
@@ -581,6 +622,18 @@ def summarize(runs: list[Run], num_layers: int, batch_size: int,
             row["search_futile_rounds"] = search["futile_rounds"]
         rows.append(row)
     return rows
+
+
+def machine_rows(run: Run, plain: Run) -> dict:
+    """The machine's speed during each of the run's starts and, but for plain,
+    against its speed during plain's same start. Not divided out of the
+    speed-up: how decoding slows with the probe's bandwidth is not known."""
+    row = {"machine_GBps_starts": [round(x, 2) for x in run.start_machine_speed]}
+    if run is not plain:
+        row["machine_vs_plain_starts"] = [
+            round(ours / theirs, 3)
+            for ours, theirs in zip(run.start_machine_speed, plain.start_machine_speed)]
+    return row
 
 
 def engine_round_costs(run: Run, plain_tokens_per_s: float, batch_size: int
@@ -907,14 +960,16 @@ def print_table(rows: list[dict], args, num_prompts: int) -> None:
           f"{args.repeats} repeats x {args.engine_starts} engine starts"
           f"{', interleaved' if args.interleave else ''}); CPU flags: "
           f"{' '.join(cpu_flags())}", file=CONSOLE)
-    header = ("method", "tok/s", "speed-up", "spread", "accept", "acc len", "identical",
-              "c", "F", "S*", "meas/S*", "rounds self/lookup/none %")
-    line = "{:<26}{:>7}{:>9}{:>12}{:>8}{:>9}{:>10}{:>6}{:>6}{:>6}{:>8}  {}"
+    header = ("method", "tok/s", "speed-up", "spread", "machine", "accept", "acc len",
+              "identical", "c", "F", "S*", "meas/S*", "rounds self/lookup/none %")
+    line = "{:<26}{:>7}{:>9}{:>12}{:>8}{:>8}{:>9}{:>10}{:>6}{:>6}{:>6}{:>8}  {}"
     print(line.format(*header), file=CONSOLE)
     for row in rows:
         spread = "{:.2f}-{:.2f}".format(*row["speedup_spread"])
+        machine = row.get("machine_vs_plain_starts")
         print(line.format(
             row["method"], row["tokens_per_s"], f"{row['speedup']:.2f}x", spread,
+            _fmt(statistics.geometric_mean(machine) if machine else None),
             _fmt(row["acceptance"]), _fmt(row["mean_accepted_length"]),
             row["identical_to_plain"], _fmt(row.get("draft_step_cost_ratio")),
             _fmt(row.get("round_overhead")), _fmt(row.get("ideal_speedup_S*")),
@@ -925,6 +980,27 @@ def print_table(rows: list[dict], args, num_prompts: int) -> None:
     if "by_prompt_set" in rows[0]:
         print_prompt_sets(rows)
     print(reading(rows, args.dtype), file=CONSOLE)
+    for warning in machine_warnings(rows):
+        print(f"warning: {warning}", file=CONSOLE)
+
+
+# How far the machine's speed during an engine's start may stray from its
+# speed during plain's same start before that start's ratio is flagged.
+MACHINE_TOLERANCE = 0.05
+
+
+def machine_warnings(rows: list[dict]) -> list[str]:
+    """One sentence per engine start during which the machine ran at another
+    speed than during plain's same start: that start's ratio is partly the VM's."""
+    warnings = []
+    for row in rows:
+        for start, ratio in enumerate(row.get("machine_vs_plain_starts", []), 1):
+            if abs(ratio - 1) > MACHINE_TOLERANCE:
+                warnings.append(
+                    f"the machine ran at {ratio:.2f}x its speed during plain's start {start} "
+                    f"while {row['method']} decoded (probe: {row['machine_GBps_starts'][start - 1]}"
+                    f" GB/s): that start's ratio measures the machine as much as the method")
+    return warnings
 
 
 def print_prompt_sets(rows: list[dict]) -> None:

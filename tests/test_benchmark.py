@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import pytest
 from vllm.engine.arg_utils import EngineArgs
 
-from benchmark import (Run, benchmark_requests, engine_order, method_configs, prompt_set_names,
-                       summarize, turns, unbalanced_first_start)
+from benchmark import (Run, benchmark_requests, engine_order, machine_speed, machine_warnings,
+                       method_configs, prompt_set_names, summarize, turns,
+                       unbalanced_first_start)
 
 
 def run_with(name: str, starts: list[list[float]]) -> Run:
@@ -78,6 +79,31 @@ def test_several_starts_compare_each_with_plains_same_start():
     assert row["speedup_spread"] == [0.9, 1.0]
     assert row["tokens_per_s_starts"] == [90, 80]
     assert plain_row["speedup_spread"] == [round(80 / 90, 3), round(100 / 90, 3)]
+
+
+def test_a_start_on_a_slower_machine_than_plains_is_flagged():
+    """Each start's machine speed is compared with plain's same start; a start
+    at 0.8x is flagged, one within 5 % of plain's machine is not."""
+    plain = run_with("plain", [[100], [100]])
+    ours = run_with("ngram", [[80], [102]])
+    plain.start_machine_speed, ours.start_machine_speed = [10.0, 10.0], [8.0, 9.8]
+    plain_row, row = summarize([plain, ours], num_layers=30, batch_size=1)
+    assert row["machine_vs_plain_starts"] == [0.8, 0.98]
+    assert row["machine_GBps_starts"] == [8.0, 9.8]
+    assert "machine_vs_plain_starts" not in plain_row
+    [warning] = machine_warnings([plain_row, row])
+    assert "0.80x" in warning and "start 1" in warning and "ngram" in warning
+
+
+def test_machine_speed_is_a_bandwidth_in_gb_per_s():
+    """The probe reports GB/s (a slowed VM streamed 0.2, a cache gives tens;
+    seconds or bytes/s would fall outside) and leaves the caller's thread
+    count as it found it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    assert 0.001 < machine_speed() < 1000
+    assert torch.get_num_threads() == threads
 
 
 def costs_of_engine_that_never_drafted(**measured) -> dict:
