@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 from vllm.engine.arg_utils import EngineArgs
 
-from benchmark import (Run, benchmark_requests, engine_order, machine_speed, machine_warnings,
-                       method_configs, prompt_set_names, summarize, turns,
-                       unbalanced_first_start)
+from benchmark import (Run, benchmark_requests, drifted_starts, engine_order, keep_nearer,
+                       machine_speed, machine_warnings, method_configs, prompt_set_names,
+                       summarize, turns, typical_machine_speed, unbalanced_first_start)
 
 
 def run_with(name: str, starts: list[list[float]]) -> Run:
@@ -95,6 +95,40 @@ def test_a_start_on_a_slower_machine_than_plains_is_flagged():
     assert "0.80x" in warning and "start 1" in warning and "ngram" in warning
 
 
+def test_starts_off_the_runs_typical_machine_are_retaken_by_the_probe_alone():
+    """A start whose probe strayed more than 5 % from the run's median (plain's
+    included) is retaken; the retake replaces it only when the probe read it
+    nearer the median, whatever its speed, and its requests' times go with it."""
+    plain = run_with("plain", [[100], [100]])
+    ours = run_with("del", [[90], [100]])
+    plain.start_machine_speed, ours.start_machine_speed = [10.0, 10.2], [7.0, 10.1]
+    ours.request_decode = [(10, 1.0), (10, 1.0), (10, 0.5), (10, 0.5)]  # 2 prompts x 2 starts
+    typical = typical_machine_speed([plain, ours])
+    assert typical == pytest.approx(10.05)
+    assert drifted_starts([plain, ours], typical) == [(ours, 0)]
+
+    def retake(tokens_per_s: float, machine: float, seconds: float) -> Run:
+        """An engine started again: the earlier starts copied in, one new start."""
+        return Run("del", ours.speculative_config, tokens_per_s=[tokens_per_s],
+                   start_tokens_per_s=[*ours.start_tokens_per_s, tokens_per_s],
+                   start_machine_speed=[machine], request_decode=[(10, seconds)] * 2)
+
+    farther = retake(120, 6.0, 0.1)
+    assert keep_nearer(ours, 0, farther, typical)["kept"] == "first"
+    assert ours.start_tokens_per_s == [90, 100] and ours.start_machine_speed == [7.0, 10.1]
+
+    nearer = retake(80, 9.9, 2.0)  # slower, yet the machine was typical
+    record = keep_nearer(ours, 0, nearer, typical)
+    assert record == {"start": 1, "machine_GBps": [7.0, 9.9], "tokens_per_s": [90, 80],
+                      "kept": "retake"}
+    assert ours.start_tokens_per_s == [80, 100] and ours.tokens_per_s == [80, 100]
+    assert ours.start_machine_speed == [9.9, 10.1]
+    assert ours.request_decode == [(10, 2.0), (10, 2.0), (10, 0.5), (10, 0.5)]
+    assert drifted_starts([plain, ours], typical) == []
+    _, row = summarize([plain, ours], num_layers=30, batch_size=1)
+    assert row["speedup_spread"] == [0.8, 1.0] and len(row["retakes"]) == 2
+
+
 def test_machine_speed_is_a_bandwidth_in_gb_per_s():
     """The probe reports GB/s (a slowed VM streamed 0.2, a cache gives tens;
     seconds or bytes/s would fall outside) and leaves the caller's thread
@@ -132,7 +166,7 @@ def test_search_share_is_over_the_start_it_was_timed_in():
     the engine spent 4 % of its decoding searching."""
     plain, ours = run_with("plain", [[100]] * 4), run_with("swift", [[95]] * 4)
     ours.speculative_config = {"method": "swift"}
-    ours.decode_seconds, ours.first_start_decode_seconds = 132.0, 33.0
+    ours.first_start_decode_seconds = 33.0
     ours.step_costs = costs_of_engine_that_never_drafted(
         cost_ratio=0.6, fraction_of_sublayers_run=0.6,
         search={"optimise_seconds": 1.32, "futile_rounds": 0,
