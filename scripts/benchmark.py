@@ -465,7 +465,7 @@ def retake_drifted_starts(runs: list[Run], model_dir: Path, prompts: list[str], 
     """Start each drifted engine start's engine again, alone, up to
     `args.retake_drifted_starts` times, keeping the start nearer the run's
     typical machine speed (`keep_nearer`). Retakes measure speed only: counts,
-    texts and step costs stay the first start's."""
+    texts and step costs stay those of the run's own starts."""
     typical = typical_machine_speed(runs)
     for _ in range(args.retake_drifted_starts):
         drifted = drifted_starts(runs, typical)
@@ -890,7 +890,8 @@ def main() -> None:
     parser.add_argument("--retake-drifted-starts", type=int, default=0, metavar="N",
                         help="after the last start, start again (alone, up to N times) "
                              "each engine whose start ran while the machine probe read "
-                             "more than 5 %% off the run's median, and keep whichever "
+                             f"more than {100 * MACHINE_TOLERANCE:g} %% off the run's median, "
+                             "and keep whichever "
                              "start ran nearer it (chosen by the probe, not by speed); "
                              "the JSON lists every retake under its row's `retakes`")
     parser.add_argument("--dtype", default=fast_dtype(),
