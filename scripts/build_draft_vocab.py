@@ -8,7 +8,7 @@ merge order, roughly frequency). Coverage, the share of generated tokens
 inside the top N, is measured on held-out prompts the ranking never saw; the
 recommended size is the smallest power of two covering `--target-coverage`.
 
-    python scripts/build_draft_vocab.py --model smollm2-135m   # configs/vocab/smollm2-135m.json
+    python scripts/build_draft_vocab.py --model smollm2-135m   # vllm_selfspec/configs/vocab/smollm2-135m.json
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--gsm", type=int, default=40, help="GSM-style prompts per set")
     parser.add_argument("--target-coverage", type=float, default=0.99)
     parser.add_argument("--dtype", default=fast_dtype())
-    parser.add_argument("--out", type=Path, help="default: configs/vocab/<model>.json")
+    parser.add_argument("--out", type=Path, help="default: vllm_selfspec/configs/vocab/<model>.json")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from transformers import AutoConfig, AutoTokenizer

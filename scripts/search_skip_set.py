@@ -6,7 +6,7 @@ Each of the 2L dimensions (attention and MLP sub-block of every layer) is in
 [0, 1] and > 0.5 means "skip". One eager engine serves the whole search: each
 candidate is swapped into the running drafter (`set_skip_set`), then the dev
 prompts are decoded one at a time and timed from vLLM's per-request
-timestamps. The best set is written into configs/<model>.json for
+timestamps. The best set is written into vllm_selfspec/configs/<model>.json for
 `{"method": "draft_verify", "config_file": "<model>"}`.
 
     python scripts/search_skip_set.py --model smollm2-135m --iterations 80

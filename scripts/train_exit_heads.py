@@ -217,7 +217,7 @@ def main() -> None:
     parser.add_argument("--held-out", type=float, default=0.1, help="share of sequences")
     parser.add_argument("--dtype", default=fast_dtype(),
                         help="of the data-generating engine (bfloat16 where native, else float32)")
-    parser.add_argument("--out", help="heads directory (default configs/heads/<model>)")
+    parser.add_argument("--out", help="heads directory (default vllm_selfspec/configs/heads/<model>)")
     parser.add_argument("--workdir", help="cache for resuming (default .cache/heads/<model>)")
     args = parser.parse_args()
     started = time.perf_counter()

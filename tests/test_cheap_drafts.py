@@ -13,6 +13,7 @@ from tests.conftest import (
     start_engine,
     stop_engine,
 )
+from vllm_selfspec.config import CONFIGS_DIR
 from vllm_selfspec.workers.profiling import WORKER_EXTENSION
 
 CHEAP = {"draft_precision": "int8", "draft_vocab": "smollm2-135m"}
@@ -39,8 +40,7 @@ def test_the_draft_reads_an_int8_copy_and_a_reduced_head(cheap, model_dir):
     import json
 
     (report,) = cheap.collective_rpc("selfspec_draft_weights")
-    vocab = json.loads((model_dir.parent.parent / "configs" / "vocab" /
-                        "smollm2-135m.json").read_text())
+    vocab = json.loads((CONFIGS_DIR / "vocab" / "smollm2-135m.json").read_text())
     assert report["precision"] == "int8"
     assert report["vocab_tokens"] == vocab["size"] < 49152
     # float32 model: int8 linears are a quarter of their bytes, the head a subset.

@@ -110,7 +110,7 @@ def test_skip_set_enters_the_compile_hash(model_dir):
 def test_draft_vocab_size_takes_the_models_shipped_vocabulary(model_dir):
     spec = engine_config(model_dir, {"method": "draft_verify", "draft_vocab": 4096,
                                      "draft_precision": "int8"}).speculative_config
-    assert spec.draft_vocab.endswith("configs/vocab/smollm2-135m.json")
+    assert spec.draft_vocab.endswith("vllm_selfspec/configs/vocab/smollm2-135m.json")
     assert spec.draft_vocab_size == 4096 and len(spec.draft_vocab_token_ids()) == 4096
     other = engine_config(model_dir, {"method": "draft_verify", "draft_vocab": 8192,
                                       "draft_precision": "int8"})
@@ -153,7 +153,7 @@ def test_vanilla_methods_untouched(model_dir):
 @pytest.mark.parametrize("name", sorted(
     path.name for path in (CONFIGS_DIR / "heads").iterdir() if path.is_dir()))
 def test_shipped_heads_are_whole_for_the_model_they_name(name):
-    """Every heads directory under configs/heads/ holds a d x d transform per
+    """Every heads directory under vllm_selfspec/configs/heads/ holds a d x d transform per
     exit layer for the model its heads.json names (shapes and layers checked
     as at start-up; the weights' identity needs the model, checked then)."""
     from types import SimpleNamespace
@@ -164,3 +164,55 @@ def test_shipped_heads_are_whole_for_the_model_they_name(name):
     heads.check_shapes(SimpleNamespace(**heads.meta["model"]))
     assert heads.exit_layers == sorted(set(heads.exit_layers))
     assert heads.meta["model"]["name"] in name
+
+
+@pytest.mark.parametrize("key, value", [
+    ("quantization", "fp8"), ("revision", "main"), ("draft_tensor_parallel_size", 1),
+    ("enforce_eager", True), ("prompt_lookup_max", 4),
+    ("num_speculative_tokens_per_batch_size", [[1, 4, 2]])])
+def test_vllm_keys_a_method_does_not_implement_are_refused(model_dir, key, value):
+    with pytest.raises(ValueError, match=rf"speculative_config: vLLM key\(s\) \['{key}'\] "
+                                         r"do nothing for method 'draft_verify'"):
+        engine_config(model_dir, {"method": "draft_verify", key: value})
+
+
+@pytest.mark.parametrize("rejection", ["synthetic", "block"])
+def test_verification_other_than_the_standard_rejection_sampler_is_refused(model_dir,
+                                                                          rejection):
+    spec = {"method": "swift", "rejection_sample_method": rejection}
+    if rejection == "synthetic":
+        spec["synthetic_acceptance_rates"] = [0.9]
+    with pytest.raises(ValueError, match=r"speculative_config(\.rejection_sample_method|: "
+                                         r"vLLM key)"):
+        engine_config(model_dir, spec)
+
+
+def test_draft_sampling_defaults_to_probabilistic_and_greedy_is_kept(model_dir):
+    assert engine_config(model_dir, {"method": "del"}).speculative_config \
+        .draft_sample_method == "probabilistic"
+    config = engine_config(model_dir, {"method": "draft_verify", "draft_sample_method": "greedy",
+                                       "rejection_sample_method": "standard"})
+    assert config.speculative_config.draft_sample_method == "greedy"
+    with pytest.raises(ValueError, match=r"draft_sample_method: use one of"):
+        engine_config(model_dir, {"method": "draft_verify", "draft_sample_method": "top_k"})
+
+
+def test_the_built_wheel_ships_every_vocabulary_head_and_skip_set(tmp_path):
+    """`pip install vllm-selfspec` (not editable) must find the shipped names:
+    they are package data, found through importlib.resources."""
+    import subprocess
+    import sys
+    import zipfile
+
+    from vllm_selfspec.assets import ROOT
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps",
+                    "--no-build-isolation", "-q", "-w", str(tmp_path)], check=True)
+    (wheel,) = tmp_path.glob("vllm_selfspec-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {f"vllm_selfspec/configs/{path.relative_to(CONFIGS_DIR).as_posix()}"
+               for path in CONFIGS_DIR.rglob("*") if path.is_file()}
+    assert {"vllm_selfspec/configs/vocab/smollm2-135m.json",
+            "vllm_selfspec/configs/smollm2-135m.json",
+            "vllm_selfspec/configs/heads/smollm2-135m/heads.safetensors"} <= shipped
+    assert shipped <= names, sorted(shipped - names)

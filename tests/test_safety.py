@@ -61,6 +61,21 @@ def test_rpc_options_are_validated():
         with pytest.raises(ValueError, match=r"is not an option of draft_verify that can "
                                              r"change while serving"):
             set_option(options, name, [1])
+    # The RPC runs the start-up checks of the common fields too.
+    with pytest.raises(ValueError, match=r"probe_every: 0 must be >= 1"):
+        set_option(options, "probe_every", 0)
+    assert options.probe_every == 16
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("search_seed", -1, r"search_seed: -1 is outside \[0, 2\*\*32\)"),
+    ("search_seed", 2**32, r"search_seed: 4294967296 is outside"),
+    ("bayes_kappa", -0.5, r"bayes_kappa: -0.5 must be >= 0")])
+def test_swift_search_numbers_are_checked_at_start_up(key, value, message):
+    from vllm_selfspec.proposers.swift import SwiftConfig
+
+    with pytest.raises(ValueError, match=message):
+        SwiftConfig(method="swift", **{key: value})
 
 
 def test_draft_budget_declines_when_drafting_loses_and_probes_again():
@@ -397,7 +412,7 @@ def test_a_repeated_decline_is_what_deciding_would_say(monkeypatch):
     import numpy as np
 
     from vllm_selfspec.proposers.base import RoundTiming, SelfSpecProposer
-    from vllm_selfspec.workers.draft_payoff import StepCosts
+    from vllm_selfspec.workers.draft_payoff import ForwardTimes, StepCosts
 
     shared = []  # the rounds that shared costs from rank 0
     tp = SimpleNamespace(rank_in_group=0,
@@ -412,7 +427,8 @@ def test_a_repeated_decline_is_what_deciding_would_say(monkeypatch):
         proposer.runner = SimpleNamespace(
             input_batch=SimpleNamespace(req_ids=["a"]), requests={"a": None},
             discard_request_mask=SimpleNamespace(np=np.zeros(4, dtype=bool)))
-        proposer.prior_costs = StepCosts(per_draft=0.2, round_overhead=0.5)
+        proposer.forward_times = ForwardTimes((1,), (0.01,), (1,), (0.002,))  # timed
+        proposer.prior_at = lambda batch_size: StepCosts(per_draft=0.2, round_overhead=0.5)
         repeated = []
         repeat_decline = proposer._repeat_decline
         proposer._repeat_decline = lambda num_tokens: repeated.append(
@@ -435,3 +451,73 @@ def test_a_repeated_decline_is_what_deciding_would_say(monkeypatch):
     assert repeated > 300
     assert repeating == deciding and repeating_shared == deciding_shared > 20
     assert 2 <= deciding.count(False) <= 10  # the first timing rounds decline too
+
+
+# A start-up's forward times, recorded on the 2-core AVX2 CPU (SmolLM2-135M,
+# float32; int8 draft with the draft vocabulary): a forward over 4 tokens costs
+# what one over 1 does, one over 208 eight times as much.
+RECORDED_FORWARD_TIMES = dict(tokens=(1, 4, 16, 64, 208),
+                              target_seconds=(0.1179, 0.1043, 0.1581, 0.3354, 0.9510),
+                              batch_sizes=(1, 4, 16),
+                              draft_seconds=(0.0336, 0.0380, 0.0500))
+
+
+def test_a_compute_bound_batch_drafts_nothing_and_a_light_one_drafts():
+    """The stand-in costs follow the load: from recorded start-up times, a
+    request that accepts 75 % of its self-drafts (the int8 full-depth draft's
+    figure on this model) drafts alone, while a batch of 16 such requests
+    (compute-bound: every verified token adds its share of the forward)
+    drafts no step; batch 1's costs never stand in at 16."""
+    from vllm_selfspec.proposers.base import MIN_GAIN
+    from vllm_selfspec.workers.draft_payoff import ForwardTimes, batch_steps, best_budget
+
+    times = ForwardTimes(**RECORDED_FORWARD_TIMES)
+    light, loaded = times.prior_at(1, 12), times.prior_at(16, 12)
+    assert loaded.per_draft > 2 * light.per_draft
+    budget = best_budget(0.75, light, 12, MIN_GAIN)
+    assert budget >= 2 and batch_steps([0.75], [budget], light, 1, MIN_GAIN) == budget
+    assert best_budget(0.75, loaded, 12, MIN_GAIN) == 0
+    assert batch_steps([0.75] * 16, [12] * 16, loaded, 16, MIN_GAIN) == 0
+    # Only requests that nearly always accept still pay for a step at 16.
+    assert batch_steps([0.95] * 16, [12] * 16, loaded, 16, MIN_GAIN) > 0
+    # A lookup pays per verified token, which every request of the batch
+    # waits through (for_lookup): long at batch 1, short at 16.
+    assert best_budget(0.7, light.for_lookup(1), 12, MIN_GAIN) >= 6
+    assert best_budget(0.7, loaded.for_lookup(16), 12, MIN_GAIN) <= 2
+
+
+def test_forward_times_read_between_and_beyond_the_grid():
+    from vllm_selfspec.workers.draft_payoff import ForwardTimes, timing_grid
+
+    assert timing_grid(208) == (1, 4, 16, 64, 208) and timing_grid(1) == (1,)
+    times = ForwardTimes(**RECORDED_FORWARD_TIMES)
+    # Non-decreasing (batch 1's noisy 118 ms holds up to 4 tokens), linear between
+    # points, extended along the last segment; floats, so RPCs can carry them.
+    assert times.target(2) == pytest.approx(0.1179)
+    assert times.target(40) == pytest.approx((0.1581 + 0.3354) / 2)
+    assert times.target(352) == pytest.approx(0.9510 + (0.9510 - 0.3354))
+    assert type(times.draft(32)) is float and times.draft(32) > times.draft(16)
+
+
+def test_drafting_resumes_after_a_slow_spell_of_the_machine():
+    """Drafted rounds timed while the machine ran slow make drafting look dear
+    and stop it; they age as plain rounds do, so once the engine has timed
+    plain rounds for `horizon` rounds after the machine recovered, the costs
+    are the stand-in's again and the request drafts (within 512 + 16 rounds:
+    plain rounds are re-timed at least that often, and costs shared every 16)."""
+    from vllm_selfspec.workers.draft_payoff import RoundClock, StepCosts, best_budget
+
+    prior = StepCosts(per_draft=0.3, round_overhead=0.1)
+    clock = RoundClock()
+    plain_s = 0.02
+    for index in range(5):
+        clock.record_plain(1, plain_s, index)
+    for index in range(5, 20):  # a slow spell: every drafted round 3 plain steps dearer
+        clock.record_drafted(1, 1 + index % 3, plain_s * (4 + 0.3 * (1 + index % 3)), index)
+    slow = clock.costs(prior)[1]
+    assert best_budget(0.8, slow, 8, 0.05) == 0
+    for index in range(20, 20 + 512, 64):  # recovered: plain rounds re-timed
+        clock.record_plain(1, plain_s, index)
+        assert clock.costs(prior)[1] == slow  # still within the horizon
+    clock.record_plain(1, plain_s, 20 + 512)
+    assert clock.costs(prior)[1] == prior and best_budget(0.8, prior, 8, 0.05) > 0

@@ -14,6 +14,7 @@ rebuilt in engine and worker processes before the plugin is loaded there.
 from __future__ import annotations
 
 import importlib
+import importlib.resources
 import json
 from pathlib import Path
 from typing import Any, ClassVar
@@ -30,7 +31,9 @@ METHOD_MODULES = {
     "swift": "vllm_selfspec.proposers.swift",
 }
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+# The shipped vocabularies, exit heads and skip sets: package data, so a
+# wheel install finds them as an editable one does.
+CONFIGS_DIR = Path(str(importlib.resources.files("vllm_selfspec") / "configs"))
 
 # Architectures whose decoder layers the draft engine knows how to run.
 SUPPORTED_ARCHITECTURES = (
@@ -68,7 +71,7 @@ class SelfSpecConfig(SpeculativeConfig):
     """Fields and checks shared by every self-speculative method."""
 
     config_file: str | None = None
-    """JSON file (path, or a name under `configs/`) with this method's settings
+    """JSON file (path, or a name under `vllm_selfspec/configs/`) with this method's settings
     for a model, e.g. a searched skip set. Keys set explicitly win."""
     draft_precision: str | None = None
     """Weights the draft reads: "auto" (default, the target's own), "bf16" (the
@@ -77,7 +80,7 @@ class SelfSpecConfig(SpeculativeConfig):
     always uses the target's own weights."""
     draft_vocab: str | int | None = None
     """Draft LM head over a frequent-token subset: a vocabulary file (path or a
-    name under configs/vocab/), or a size N (the top N of the file shipped for
+    name under vllm_selfspec/configs/vocab/), or a size N (the top N of the file shipped for
     this model). Drafts never leave the subset; verification uses the full head."""
     draft_vocab_size: int | None = None
     """Tokens of the draft_vocab file to keep (default: the file's own size)."""
@@ -89,6 +92,13 @@ class SelfSpecConfig(SpeculativeConfig):
     """Requests that stopped drafting draft one token on every this-many-th
     engine round (together), to notice when their text turns predictable
     (default 16)."""
+    draft_sample_method: str = "probabilistic"
+    """How a sampled request's self-drafts are drawn (vLLM's key, with
+    another default): "probabilistic" draws them from the draft's own
+    distribution at the request's temperature and verifies them with it, so
+    they keep nearly their greedy acceptance at any temperature; "greedy"
+    drafts the argmax, accepted with the target's probability of it. Both
+    keep the target distribution exactly; lookup drafts are one token each."""
     lookup: dict[str, int] | None = None
     """Try a free draft from the request's own text first: {"min_match": 2,
     "max_match": 8, "max_tokens": 12} (or {} for these defaults). When the
@@ -118,7 +128,7 @@ class SelfSpecConfig(SpeculativeConfig):
         for name, value in self.defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, list(value) if isinstance(value, list) else value)
-        self._validate_draft_weights_fields()
+        self.validate_common_fields()
         self.validate_method_fields()
         if self.target_model_config is not None:
             self._validate_target()
@@ -162,7 +172,7 @@ class SelfSpecConfig(SpeculativeConfig):
         except (OSError, json.JSONDecodeError) as error:
             raise SelfSpecConfigError(
                 f"speculative_config.config_file: cannot read {path} ({error}); "
-                "point it at a JSON file such as configs/smollm2-135m.json."
+                "point it at a JSON file such as vllm_selfspec/configs/smollm2-135m.json."
             ) from error
         layers = settings.get("num_hidden_layers")
         if self.target_model_config is not None and layers not in (
@@ -237,7 +247,7 @@ class SelfSpecConfig(SpeculativeConfig):
         self._validate_draft_weights_for_model()
 
     # --- draft weights and vocabulary ---------------------------------------
-    def _validate_draft_weights_fields(self) -> None:
+    def validate_common_fields(self) -> None:
         if self.draft_precision is None:
             self.draft_precision = "auto"
         if self.cost_aware is None:
@@ -423,12 +433,47 @@ def check_layer_indices(field: str, indices: list[int] | None, num_layers: int) 
         )
 
 
+# vLLM's own SpeculativeConfig keys that a self-speculative method honours
+# (the two target configs come from vLLM's engine arguments). Any other vLLM
+# key is refused: each configures a separate draft model, another proposer or
+# another verification, none of which these methods have, and a key accepted
+# but dropped would change nothing without saying so.
+HONOURED_VLLM_KEYS = ("method", "num_speculative_tokens", "draft_sample_method",
+                      "rejection_sample_method", "target_model_config",
+                      "target_parallel_config")
+DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")
+
+
 def check_keys(cls: type[SelfSpecConfig], kwargs: dict[str, Any]) -> None:
-    """Reject unknown keys with a sentence naming them, before pydantic does."""
+    """Reject unknown keys, vLLM keys these methods do not implement, and a
+    verification other than vLLM's standard rejection sampler, each with a
+    sentence naming the key, before pydantic does."""
+    method = kwargs.get("method")
     unknown = sorted(set(kwargs) - _field_names(cls))
     if unknown:
         raise SelfSpecConfigError(
             f"speculative_config: unknown key(s) {unknown} for method "
-            f"'{kwargs.get('method')}'; its own keys are {list(cls.own_fields)}, "
-            f"plus {list(COMMON_FIELDS)}, num_speculative_tokens and config_file."
+            f"'{method}'; its own keys are {list(cls.own_fields)}, "
+            f"plus {list(COMMON_FIELDS)}, num_speculative_tokens, draft_sample_method "
+            "and config_file."
+        )
+    ours = {*cls.own_fields, *COMMON_FIELDS, "config_file"}
+    # ("model" is refused by `__post_init__`, with its own sentence.)
+    dropped = sorted(set(kwargs) - ours - set(HONOURED_VLLM_KEYS) - {"model"})
+    if dropped:
+        raise SelfSpecConfigError(
+            f"speculative_config: vLLM key(s) {dropped} do nothing for method '{method}' "
+            "(its draft is the target model itself, verified by vLLM's standard "
+            "rejection sampler); remove them."
+        )
+    if kwargs.get("rejection_sample_method", "standard") != "standard":
+        raise SelfSpecConfigError(
+            f"speculative_config.rejection_sample_method: method '{method}' verifies "
+            "with vLLM's standard rejection sampler only, which keeps outputs the "
+            "target's; remove the key or set it to 'standard'."
+        )
+    if kwargs.get("draft_sample_method", "probabilistic") not in DRAFT_SAMPLE_METHODS:
+        raise SelfSpecConfigError(
+            f"speculative_config.draft_sample_method: use one of {list(DRAFT_SAMPLE_METHODS)}"
+            f" (default 'probabilistic'), not {kwargs['draft_sample_method']!r}."
         )

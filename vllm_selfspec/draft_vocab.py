@@ -1,6 +1,6 @@
 """Draft vocabularies: the tokens a reduced draft LM head keeps.
 
-A file (`configs/vocab/<model>.json`, written by `scripts/build_draft_vocab.py`)
+A file (`vllm_selfspec/configs/vocab/<model>.json`, written by `scripts/build_draft_vocab.py`)
 ranks the tokens the model itself generated greedily on calibration prompts,
 most frequent first, and says which model it was made for (the same identity
 exit heads carry: shapes and the final norm's hash) and how much of held-out

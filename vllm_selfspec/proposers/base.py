@@ -11,10 +11,13 @@ its argmax is draft 1 at p+1, and so on for k steps. The verification forward
 rewrites every layer's KV at those positions, and attention never reads at or
 past a request's sequence length, so draft KV never reaches the target.
 
-Drafts are argmax tokens passed without draft probabilities: vLLM's rejection
-sampler then treats each draft as one-hot, accepting it with probability
-p_target(draft) and resampling from the renormalised remainder on rejection,
-which keeps the target distribution exactly at any temperature.
+Greedy requests' drafts are argmax tokens; a sampled request's self-drafts are
+drawn from the draft's own distribution q at its temperature and handed to
+vLLM's rejection sampler with q (`workers/draft_sampling.py`; with
+`draft_sample_method: "greedy"`, argmax tokens without probabilities, which
+the sampler treats as one-hot). Either way it accepts a draft with
+min(1, p_target / q) and resamples from the remainder on rejection, which keeps
+the target distribution exactly at any temperature.
 
 Methods state only what differs: the draft model (`build_draft`, by default
 the layer plan's sub-blocks), one draft step (`draft_step`, by default the
@@ -49,8 +52,10 @@ from vllm_selfspec.workers.draft_model import (
     LayerSubsetDraft,
     key_compile_cache,
 )
+from vllm_selfspec.workers.draft_sampling import DraftSampler
 from vllm_selfspec.workers.draft_payoff import (
     AcceptanceRecords,
+    ForwardTimes,
     RoundClock,
     StepCosts,
     batch_steps,
@@ -83,7 +88,8 @@ PROBE_SHARE = 0.01  # of decoding time, at most, spent on probes that find nothi
 # time a plain step, and does so again (one round in SHARE_EVERY) whenever fewer
 # than that were timed in the last REFRESH_ROUNDS rounds, as contexts grow; if
 # no steady round comes for NOT_STEADY_ROUNDS rounds (a busy server whose batch
-# changes every step), the profiling-mode estimate serves meanwhile.
+# changes every step), the stand-in costs from the start-up forward times
+# (`ForwardTimes.prior_at`, per batch size) serve meanwhile.
 SHARE_EVERY = 16
 REFRESH_ROUNDS = 512
 PLAIN_ROUNDS_FIRST = 3
@@ -158,6 +164,8 @@ class SelfSpecProposer(DraftModelProposer):
         self.options = self.speculative_config
         self._costs_timed = False  # at start-up, by `initialize_attn_backend`
         self.vocab_mapping = None
+        # Whether vLLM ran the drafter in the current step (the runner hooks).
+        self.proposed_this_step = False
         self.start_round_state()
 
     def start_round_state(self) -> None:
@@ -177,7 +185,7 @@ class SelfSpecProposer(DraftModelProposer):
         self.looked_up: set[str] = set()
         self.clock = RoundClock()
         self._previous_round: RoundTiming | None = None
-        self.prior_costs: StepCosts | None = None  # profiling mode, at start-up
+        self.forward_times: ForwardTimes | None = None  # profiling mode, at start-up
         self.shared_costs: dict[int, StepCosts] = {}  # per batch size, rank 0's
         self._round_costs: tuple[int, StepCosts | None | bool] | None = None  # (round, costs)
         self._early: tuple[float, DraftDecision] | None = None  # (started, decided to draft)
@@ -299,25 +307,31 @@ class SelfSpecProposer(DraftModelProposer):
 
     def time_costs(self) -> None:
         """What the method's decisions need timed before any request: the
-        profiling-mode prior of cost-aware drafting. A cost not timed here (an
-        option switched on while serving; vLLM's CPU CI) is timed at first use."""
+        profiling-mode forward times behind cost-aware drafting's stand-in
+        costs. A cost not timed here (an option switched on while serving;
+        vLLM's CPU CI) is timed at first use."""
         if self.options.cost_aware:
-            self.prior_costs = self._time_prior_costs(self.num_speculative_tokens)
+            self.forward_times = self._time_forwards()
 
     def timed_at_start_up(self) -> dict:
         """What `time_costs` holds (None where nothing was timed)."""
-        return {"prior": None if self.prior_costs is None else vars(self.prior_costs)}
+        return {"forward_times": None if self.forward_times is None
+                else self.forward_times.describe()}
 
-    def _time_prior_costs(self, max_drafts: int) -> StepCosts:
-        """The profiling-mode prior: every rank runs the timing forwards (they
-        hold tensor-parallel collectives); rank 0's numbers are the ones all
-        ranks use."""
+    def _time_forwards(self) -> ForwardTimes:
+        """The profiling-mode forward times: every rank runs the timing
+        forwards (they hold tensor-parallel collectives); rank 0's numbers are
+        the ones all ranks use."""
         from vllm.distributed import get_tp_group
 
-        from vllm_selfspec.workers.profiling import draft_and_verify_costs
+        from vllm_selfspec.workers.profiling import time_forwards
 
         return get_tp_group().broadcast_object(
-            draft_and_verify_costs(self.runner, self, max_drafts), src=0)
+            time_forwards(self.runner, self, self.num_speculative_tokens), src=0)
+
+    def prior_at(self, batch_size: int) -> StepCosts:
+        """The stand-in costs at `batch_size` (`ForwardTimes.prior_at`)."""
+        return self.forward_times.prior_at(batch_size, self.num_speculative_tokens)
 
     def initialize_cudagraph_keys(self, cudagraph_mode) -> None:
         """No CUDA-graph keys for the draft: our loop runs its draft modules
@@ -406,6 +420,7 @@ class SelfSpecProposer(DraftModelProposer):
     ) -> torch.Tensor:
         req_ids = list(self.runner.input_batch.req_ids)
         batch_size = len(req_ids)
+        self._last_draft_probs = None  # set by a round that samples drafts
         drafts = torch.full((batch_size, num_speculative_tokens), NO_DRAFT,
                             dtype=torch.int64, device=self.device)
         rows: list[int] = []  # the rows whose drafts are looked up
@@ -431,10 +446,20 @@ class SelfSpecProposer(DraftModelProposer):
             steps = self._draft_loop(
                 drafts, req_ids, decision, target_token_ids, target_positions,
                 target_hidden_states, next_token_ids, token_indices_to_sample,
-                common_attn_metadata, num_rejected_tokens_gpu)
+                common_attn_metadata, num_rejected_tokens_gpu, sampling_metadata)
         self._previous_round = RoundTiming(req_ids, steps, started, time.perf_counter(),
                                            bool(rows))
         return drafts
+
+    def skip_round(self) -> None:
+        """A step whose drafter vLLM did not run (some request's length plus
+        k would pass max_model_len; vLLM then fills every row with token 0,
+        which the runner hook drops): no request drafts, the drafts the forward
+        verified give no feedback, and no round is timed across it."""
+        self._verified_drafts = None
+        self._previous_round = None
+        self._early = None
+        self.note_lookups(list(self.runner.input_batch.req_ids), [])
 
     def _start_round(self, req_ids: list[str], verified: list[int] | None,
                      num_tokens: int, started: float) -> None:
@@ -497,7 +522,7 @@ class SelfSpecProposer(DraftModelProposer):
             return False
         if self._round_costs is None or self._round_costs[0] != self.counters.rounds:
             self._round_costs = (self.counters.rounds,
-                                 self.round_costs(len(req_ids), num_speculative_tokens))
+                                 self.round_costs(len(req_ids)))
         return self._round_costs[1]
 
     def _decide(self, req_ids: list[str], num_speculative_tokens: int,
@@ -536,9 +561,16 @@ class SelfSpecProposer(DraftModelProposer):
                     target_hidden_states: torch.Tensor, next_token_ids: torch.Tensor,
                     token_indices_to_sample: torch.Tensor | None,
                     common_attn_metadata: CommonAttentionMetadata,
-                    num_rejected_tokens_gpu: torch.Tensor | None) -> int:
-        """Run the decided draft steps, writing `drafts`; returns the steps run."""
+                    num_rejected_tokens_gpu: torch.Tensor | None,
+                    sampling_metadata: SamplingMetadata) -> int:
+        """Run the decided draft steps, writing `drafts` (and, for sampled
+        requests, the drafts' distribution: `workers/draft_sampling.py`);
+        returns the steps run."""
         batch_size = len(req_ids)
+        sampler = None
+        if self.options.draft_sample_method == "probabilistic":
+            sampler = DraftSampler.for_round(sampling_metadata, batch_size, drafts.shape[1],
+                                             self.vllm_config.model_config.get_vocab_size())
         may_draft, budgets = decision.may_draft, decision.budgets
         drafting = torch.tensor(may_draft, device=self.device)
         if budgets is not None:
@@ -566,17 +598,22 @@ class SelfSpecProposer(DraftModelProposer):
             # One float copy for the argmax and the methods' confidence: over
             # bf16 logits the CPU's argmax is a scalar loop, 4x the float one.
             logits = logits.float()
-            token_ids = logits.argmax(dim=-1)
+            token_ids = (logits.argmax(dim=-1) if sampler is None
+                         else sampler.sample(logits, positions))
             round_tokens = torch.cat([round_tokens, token_ids.view(batch_size, 1)], dim=1)
             if is_draft is not None:
                 drafting &= is_draft
             # Rows not drafting keep what they have (NO_DRAFT, or a lookup draft).
             drafts[:, step] = torch.where(drafting, token_ids, drafts[:, step])
+            if sampler is not None:
+                sampler.keep(step, drafting)
             stop = self.stop_after(req_ids, logits, step)
             if stop is not None:
                 drafting &= ~stop
             if (is_draft is not None or stop is not None) and not bool(drafting.any()):
                 break
+        if sampler is not None:
+            self._last_draft_probs = sampler.round_probs(drafts)
         return steps_run
 
     def prepare_inputs_padded(self, common_attn_metadata, spec_decode_metadata,
@@ -640,7 +677,7 @@ class SelfSpecProposer(DraftModelProposer):
                                            probe, self.counters.rounds)[0]
 
     # --- cost-aware drafting -------------------------------------------------
-    def round_costs(self, batch_size: int, max_drafts: int) -> StepCosts | None:
+    def round_costs(self, batch_size: int) -> StepCosts | None:
         """This round's costs from the engine's timed rounds, the same on every
         tensor-parallel rank (rank 0's, shared on the round clock); None when
         this round should draft nothing to time a plain step (none timed yet,
@@ -649,16 +686,16 @@ class SelfSpecProposer(DraftModelProposer):
 
         rounds = self.counters.rounds
         tp = get_tp_group()
-        if self.prior_costs is None:  # not timed at start-up (e.g. cost_aware switched on)
-            self.prior_costs = self._time_prior_costs(max_drafts)
+        if self.forward_times is None:  # not timed at start-up (e.g. cost_aware switched on)
+            self.forward_times = self._time_forwards()
         # Which rounds share, and the clock's keys and round indices, are alike
         # on every rank; only rank 0's timings are used.
         ready = self.clock.plain_rounds() >= PLAIN_ROUNDS_FIRST
         if ready and (rounds % SHARE_EVERY == 0 or not self.shared_costs):
-            costs = self.clock.costs(self.prior_costs) if tp.rank_in_group == 0 else None
+            costs = self.clock.costs(self.prior_at) if tp.rank_in_group == 0 else None
             self.shared_costs = tp.broadcast_object(costs, src=0)
         if not self.shared_costs:
-            return self.prior_costs if rounds >= NOT_STEADY_ROUNDS else None
+            return self.prior_at(batch_size) if rounds >= NOT_STEADY_ROUNDS else None
         if (rounds % SHARE_EVERY == 1
                 and self.clock.fresh_plain_rounds(rounds) < PLAIN_ROUNDS_FIRST):
             return None  # the newest plain times are stale
@@ -674,11 +711,13 @@ class SelfSpecProposer(DraftModelProposer):
                 or num_tokens != len(req_ids) + drafts_verified):
             return
         if drafts_verified > 0 and previous.looked_up and previous.steps == 0:
-            self.clock.record_looked_up(len(req_ids), drafts_verified, started - previous.started)
+            self.clock.record_looked_up(len(req_ids), drafts_verified, started - previous.started,
+                                        self.counters.rounds)
         elif drafts_verified > 0 and previous.steps > 0 and not previous.looked_up:
             # (A round whose drafts all stopped before step 1 verified nothing;
             # a round that both looked up and self-drafted is timed as neither.)
-            self.clock.record_drafted(len(req_ids), previous.steps, started - previous.started)
+            self.clock.record_drafted(len(req_ids), previous.steps, started - previous.started,
+                                      self.counters.rounds)
         elif drafts_verified == 0:
             self.clock.record_plain(len(req_ids), started - previous.ended,
                                     self.counters.rounds)

@@ -35,7 +35,7 @@ from vllm_selfspec.workers.exit_heads import (
 class EarlyExitConfig(SelfSpecConfig):
     heads: str | None = None
     """Directory of trained exit heads (heads.json + heads.safetensors), a path
-    or a name under configs/heads/."""
+    or a name under vllm_selfspec/configs/heads/."""
     exit_layers: list[int] | None = None
     """Exit layers to use (an exit after E layers); default: all of the heads'."""
 

@@ -155,6 +155,14 @@ class SwiftConfig(SelfSpecConfig):
             raise SelfSpecConfigError(
                 f"speculative_config.search_share: {self.search_share} is outside (0, 1]; "
                 f"SWIFT's default is {self.defaults['search_share']}.")
+        if not 0 <= self.search_seed < 2**32:
+            raise SelfSpecConfigError(
+                f"speculative_config.search_seed: {self.search_seed} is outside [0, 2**32); "
+                "give a seed in that range.")
+        if self.bayes_kappa < 0:
+            raise SelfSpecConfigError(
+                f"speculative_config.bayes_kappa: {self.bayes_kappa} must be >= 0 (the "
+                f"upper-confidence bound's weight; default {self.defaults['bayes_kappa']}).")
         if self.bayes_interval < 0:
             raise SelfSpecConfigError(
                 f"speculative_config.bayes_interval: {self.bayes_interval} must be >= 0 "

@@ -33,8 +33,11 @@ F and w come from the engine's own rounds (`RoundClock`): wall time from one
 round's drafting to the next, which is everything a plain vLLM step also pays
 (scheduling, the forward, sampling, output handling) plus what drafting adds.
 Rounds that verified nothing time a plain step; rounds that drafted k tokens
-time 1 + F + k w of them. Until those exist, a profiling-mode estimate of w
-(`StepCosts` from forward timings alone) stands in. Costs are per batch size
+time 1 + F + k w of them. Until those exist, a stand-in from forward timings
+alone serves, per batch size (`ForwardTimes`: the target's forward by the
+tokens in it and a draft step by the requests in it, timed at start-up), so a
+compute-bound batch, where every verified token adds its share of the
+forward, is never budgeted with batch 1's costs. Costs are per batch size
 and stand in only for batch sizes of the same bucket (1, 2, 3-4, 5-8, ...): at
 a bucket with no plain step timed yet, a round drafts nothing, so one is
 timed. Lookup drafts run no draft step: rounds whose drafts were all looked up
@@ -78,6 +81,67 @@ class StepCosts:
         per_token = self.per_draft if self.per_verified is None else self.per_verified
         overhead = self.round_overhead if self.lookup_overhead is None else self.lookup_overhead
         return StepCosts(per_token * batch_size, overhead * batch_size, per_token * batch_size)
+
+
+@dataclass(frozen=True)
+class ForwardTimes:
+    """Seconds of the target's forward by the tokens in it, and of one draft
+    step by the requests in it, timed at start-up on a grid (both read linearly
+    between grid points and along the last segment beyond it). What a draft
+    costs depends on the load: at batch 1 on a CPU a forward over 5 tokens
+    costs about what one over 1 does (the weights are read once either way),
+    while a batch of 16 is compute-bound and each verified token adds its
+    share. These times give each batch size its own stand-in costs
+    (`prior_at`) until the engine has timed its own rounds there."""
+
+    tokens: tuple[int, ...]
+    target_seconds: tuple[float, ...]
+    batch_sizes: tuple[int, ...]
+    draft_seconds: tuple[float, ...]
+
+    def target(self, num_tokens: float) -> float:
+        return _read_line(self.tokens, self.target_seconds, num_tokens)
+
+    def draft(self, batch_size: float) -> float:
+        return _read_line(self.batch_sizes, self.draft_seconds, batch_size)
+
+    def prior_at(self, batch_size: int, max_drafts: int) -> StepCosts:
+        """Stand-in costs at `batch_size`, in plain forwards of that batch: a
+        draft token's draft step and its share of a verification that carries
+        max_drafts drafts per request, and a looked-up token's share of one
+        that carries max_drafts more tokens. The engine's plain step also pays
+        scheduling and sampling, so these overstate the costs a little: a
+        stand-in errs towards drafting less."""
+        plain = self.target(batch_size)
+        verify = self.target(batch_size * (1 + max_drafts))
+        verified = max(verify - plain, 0.0) / (max_drafts * batch_size) / plain
+        per_draft = self.draft(batch_size) / plain + verified * batch_size
+        looked_up = max(self.target(batch_size + max_drafts) - plain, 0.0) / max_drafts / plain
+        return StepCosts(per_draft=per_draft, per_verified=looked_up)
+
+    def describe(self) -> dict:
+        return {"target_ms_by_tokens": {n: round(s * 1e3, 3) for n, s in
+                                        zip(self.tokens, self.target_seconds)},
+                "draft_ms_by_batch": {b: round(s * 1e3, 3) for b, s in
+                                      zip(self.batch_sizes, self.draft_seconds)}}
+
+
+def timing_grid(largest: int) -> tuple[int, ...]:
+    """1, 4, 16, ... up to `largest`, which is included (the times are read
+    linearly between these points)."""
+    sizes = [4 ** i for i in range(8) if 4 ** i < largest]
+    return (*sizes, max(largest, 1))
+
+
+def _read_line(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
+    """y at x on the polyline through (xs, ys), made non-decreasing, and
+    extended along its last segment past the ends (never below 0)."""
+    ys = tuple(np.maximum.accumulate(ys))
+    if len(xs) == 1:
+        return float(ys[0] * max(x, 1.0) / xs[0])
+    index = min(max(int(np.searchsorted(xs, x)) - 1, 0), len(xs) - 2)
+    x0, x1, y0, y1 = xs[index], xs[index + 1], ys[index], ys[index + 1]
+    return max(float(y0 + (y1 - y0) * (x - x0) / (x1 - x0)), 0.0)
 
 
 @dataclass
@@ -240,7 +304,9 @@ class RoundClock:
     no prefill tokens in the forward, so idle gaps and prompts never do. A plain
     time is the median of the plain rounds within `horizon` rounds of the
     newest at that batch size, so one timed again after a long run of drafting
-    stands for today's context lengths."""
+    stands for today's context lengths; drafted and looked-up rounds count only
+    within `horizon` rounds of that newest plain one (`_recent`), so a slow spell
+    of the machine cannot stop drafting for good."""
 
     def __init__(self, window: int = 64, horizon: int = 512):
         self.window = window
@@ -260,12 +326,25 @@ class RoundClock:
         return sum(1 for samples in self.plain.values()
                    for round_index, _ in samples if now - round_index < self.horizon)
 
-    def record_drafted(self, batch_size: int, steps: int, seconds: float) -> None:
-        self.drafted.setdefault(batch_size, deque(maxlen=self.window)).append((steps, seconds))
+    def record_drafted(self, batch_size: int, steps: int, seconds: float,
+                       round_index: int = 0) -> None:
+        self.drafted.setdefault(batch_size, deque(maxlen=self.window)).append(
+            (round_index, steps, seconds))
 
-    def record_looked_up(self, batch_size: int, drafts: int, seconds: float) -> None:
+    def record_looked_up(self, batch_size: int, drafts: int, seconds: float,
+                         round_index: int = 0) -> None:
         self.looked_up.setdefault(batch_size, deque(maxlen=self.window)).append(
-            (drafts, seconds))
+            (round_index, drafts, seconds))
+
+    def _recent(self, samples, batch_size: int) -> list[tuple[int, float]]:
+        """Drafted or looked-up rounds timed within `horizon` rounds of the
+        newest plain round at `batch_size`, as (count, seconds): they age as
+        plain ones do, so costs inflated by a slow spell of the machine expire
+        even while they keep the engine from drafting (plain rounds are timed
+        again at least every few hundred rounds)."""
+        newest = self.plain[batch_size][-1][0]
+        return [(count, seconds) for round_index, count, seconds in samples
+                if newest - round_index < self.horizon]
 
     def plain_rounds(self) -> int:
         return sum(len(samples) for samples in self.plain.values())
@@ -279,20 +358,23 @@ class RoundClock:
         return statistics.median(seconds for round_index, seconds in self.plain[key]
                                  if newest - round_index < self.horizon)
 
-    def costs(self, prior: StepCosts, min_samples: int = 3) -> dict[int, StepCosts]:
-        """Costs per batch size with a plain time; the profiling-mode `prior`'s
-        where too few drafted (or looked-up) rounds were timed."""
-        return {batch_size: self._costs_at(batch_size, prior, min_samples)
+    def costs(self, prior: StepCosts | Callable[[int], StepCosts],
+              min_samples: int = 3) -> dict[int, StepCosts]:
+        """Costs per batch size with a plain time; the stand-in `prior`'s (one
+        for all, or one per batch size) where too few drafted (or looked-up)
+        rounds were timed."""
+        prior_at = prior if callable(prior) else (lambda _: prior)
+        return {batch_size: self._costs_at(batch_size, prior_at(batch_size), min_samples)
                 for batch_size in self.plain}
 
     def _costs_at(self, batch_size: int, prior: StepCosts, min_samples: int) -> StepCosts:
         plain = self.plain_seconds(batch_size)
         costs = prior
-        samples = self.drafted.get(batch_size, ())
+        samples = self._recent(self.drafted.get(batch_size, ()), batch_size)
         if len(samples) >= min_samples:
             costs = fit_round_costs([steps for steps, _ in samples],
                                     [seconds / plain - 1.0 for _, seconds in samples], prior)
-        samples = self.looked_up.get(batch_size, ())
+        samples = self._recent(self.looked_up.get(batch_size, ()), batch_size)
         if len(samples) >= min_samples:
             costs = fit_lookup_costs([drafts for drafts, _ in samples],
                                      [seconds / plain - 1.0 for _, seconds in samples], costs)
@@ -300,9 +382,11 @@ class RoundClock:
 
     def samples(self) -> dict:
         """The timed rounds per batch size in seconds, for the benchmark."""
-        return {kind: {b: list(s) for b, s in rounds.items()}
-                for kind, rounds in (("plain", self.plain), ("drafted", self.drafted),
-                                     ("looked_up", self.looked_up))}
+        return {"plain": {b: list(s) for b, s in self.plain.items()},
+                **{kind: {b: [(count, seconds) for _, count, seconds in s]
+                          for b, s in rounds.items()}
+                   for kind, rounds in (("drafted", self.drafted),
+                                        ("looked_up", self.looked_up))}}
 
 
 # A drafted round's cost at each draft count is the mean of its rounds' extra

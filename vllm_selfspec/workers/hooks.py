@@ -63,6 +63,11 @@ def take_draft_token_ids(self: Any) -> Any:
     if drafts is None or not isinstance(getattr(self, "speculative_config", None),
                                         SelfSpecConfig):
         return drafts
+    if not self.drafter.proposed_this_step:
+        # vLLM skipped the drafter (a request's length plus k would pass
+        # max_model_len) and filled every row with token 0: no request drafts.
+        return SourcedDraftTokenIds(drafts.req_ids, [[] for _ in drafts.req_ids],
+                                    [False] * len(drafts.req_ids))
     rows = [
         row[: row.index(NO_DRAFT)] if NO_DRAFT in row else row
         for row in drafts.draft_token_ids
@@ -119,10 +124,19 @@ def sample_tokens_with_drafts(self: Any, grammar_output: Any) -> Any:
     """vLLM's, with the drafts this step proposed on the output it returns:
     `EngineCore.post_step` would otherwise ask for them in a message round
     trip of its own (0.24 ms of a 13.5 ms SmolLM2 step on the CPU). Drafting
-    runs here, so it gets the frame room `execute_model` gets."""
-    return ship_drafts(self, with_frame_room(original(
+    runs here, so it gets the frame room `execute_model` gets. A step whose
+    forward ran but whose drafter vLLM skipped (max_model_len) is a round that
+    never happened for the proposer (`skip_round`)."""
+    stepped = (isinstance(getattr(self, "speculative_config", None), SelfSpecConfig)
+               and self.execute_model_state is not None)  # a forward ran
+    if stepped:
+        self.drafter.proposed_this_step = False  # set by `propose_or_decline`
+    output = with_frame_room(original(
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"
-    ), self, grammar_output))
+    ), self, grammar_output)
+    if stepped and not self.drafter.proposed_this_step:
+        self.drafter.skip_round()
+    return ship_drafts(self, output)
 
 
 def execute_model_with_frame_room(self: Any, scheduler_output: Any,
@@ -177,6 +191,8 @@ def propose_or_decline(self: Any, scheduler_output: Any, sampled_token_ids: Any,
     glue runs (0.13-0.17 ms of a SmolLM2 step): then no request drafts, said
     with an empty draft list per request. Synchronous scheduling only: with
     async scheduling the next step reads the glue's device tensors."""
+    if isinstance(self.speculative_config, SelfSpecConfig):
+        self.drafter.proposed_this_step = True
     if (isinstance(self.speculative_config, SelfSpecConfig) and not self.use_async_scheduling
             and self.drafter.decline_early(scheduler_output.num_spec_tokens_to_schedule,
                                            scheduler_output.total_num_scheduled_tokens,

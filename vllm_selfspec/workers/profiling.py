@@ -31,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from vllm_selfspec.workers.draft_payoff import StepCosts
+from vllm_selfspec.workers.draft_payoff import ForwardTimes, timing_grid
 
 
 def _in_profiling_mode(step: Callable[[], Any], vllm_config,
@@ -224,7 +224,7 @@ class SelfSpecWorkerExtension:
     def selfspec_round_costs(self) -> dict:
         """The engine's timed rounds (plain, drafted and looked-up, seconds,
         per batch size), what is timed at start-up where it can be (the
-        profiling-mode prior; DEL's step overhead) and the costs the budget
+        forward times behind the stand-in costs; DEL's step overhead) and the costs the budget
         uses now."""
         drafter = self.model_runner.drafter
         return {**drafter.clock.samples(), **drafter.timed_at_start_up(),
@@ -299,17 +299,32 @@ class StepPieceTimer:
         return timed
 
 
-def draft_and_verify_costs(runner, drafter, max_drafts: int, repeats: int = 10
-                           ) -> StepCosts:
-    """A draft token's cost from forward timings alone (one request): its
-    draft step and its share of a verification over max_drafts + 1 tokens,
-    in plain forwards; and that share alone, a looked-up token's cost. The
-    stand-in until the engine's rounds are timed."""
-    plain = _time_forward(runner.model, runner.vllm_config, 1, repeats)
-    draft = _time_forward(drafter.model, drafter.vllm_config, 1, repeats)
-    verify = _time_forward(runner.model, runner.vllm_config, 1 + max_drafts, repeats)
-    verified = max(verify - plain, 0.0) / max_drafts / plain
-    return StepCosts(per_draft=draft / plain + verified, per_verified=verified)
+def time_forwards(runner, drafter, max_drafts: int) -> ForwardTimes:
+    """The target's forward at 1, 2, 4, ... tokens up to what a full batch
+    verifies (capped at the step's token budget and MAX_TIMED_TOKENS), and a
+    draft step at 1, 2, 4, ... requests up to the scheduler's batch (capped at
+    MAX_TIMED_BATCH): the stand-in costs of every batch size."""
+    scheduler = runner.vllm_config.scheduler_config
+    most_tokens = min(scheduler.max_num_batched_tokens, MAX_TIMED_TOKENS,
+                      scheduler.max_num_seqs * (1 + max_drafts))
+    tokens = timing_grid(most_tokens)
+    batch_sizes = timing_grid(min(scheduler.max_num_seqs, MAX_TIMED_BATCH))
+    return ForwardTimes(
+        tokens, tuple(_time_forward(runner.model, runner.vllm_config, n, _repeats(n))
+                      for n in tokens),
+        batch_sizes, tuple(_time_forward(drafter.model, drafter.vllm_config, b, _repeats(b))
+                           for b in batch_sizes))
+
+
+# The timing grid's ends: past them the times are extended along the last
+# segment (a compute-bound forward grows linearly in its tokens).
+MAX_TIMED_TOKENS = 256
+MAX_TIMED_BATCH = 64
+
+
+def _repeats(num_tokens: int) -> int:
+    """Fewer timing repeats for larger forwards (their noise is smaller)."""
+    return 10 if num_tokens <= 4 else 5 if num_tokens <= 16 else 3
 
 
 def measure_step_costs(worker, batch_size: int = 1, repeats: int = 30,
@@ -367,6 +382,7 @@ def set_option(options, name: str, value) -> None:
     previous = getattr(options, name)
     setattr(options, name, value)
     try:
+        options.validate_common_fields()  # the start-up checks, every one
         options.validate_method_fields()
         if options.target_model_config is not None:
             options.validate_for_model(options.target_model_config.hf_config.num_hidden_layers)

@@ -1,0 +1,280 @@
+"""Speculation under serving load, measured the ecosystem's way.
+
+For each engine start, every setting gets its own real `vllm serve` in turn
+(plain vLLM first and last, bracketing the others on the same drifting
+machine), and vLLM's own harness, `vllm bench serve
+--max-concurrency C`, runs the same chat prompts at every concurrency and
+temperature against it. Per (setting, concurrency, temperature) it keeps output
+tokens/s, median and p99 TPOT and TTFT, vLLM's acceptance counters and the
+share of request-rounds that drafted (`vllm:selfspec_rounds_total`, ours
+only); ratios are over the geometric mean of the plain servers around it, and
+each figure over starts is their geometric mean with the spread.
+
+    python scripts/serve_sweep.py                                   # SmolLM2, the default grid
+    python scripts/serve_sweep.py --settings plain,ngram,recommended --concurrency 1,4,16 \
+        --temperatures 0,0.8 --starts 3 --name sweep-smollm2
+
+Writes results/<name>.json, results/<name>.md (the table) and
+results/<name>.png (throughput and TPOT against concurrency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+from serving import Server, vllm_serve
+from tqdm import tqdm
+
+from vllm_selfspec import prompts as prompt_sets
+from vllm_selfspec.assets import ROOT, cpu_flags, fast_dtype
+from vllm_selfspec.config import CONFIGS_DIR
+
+RESULTS = ROOT / "results"
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 2}
+# vLLM's Dynamic SD: a hand-written k per batch-size range, honoured by the
+# V1 scheduler (`Scheduler.schedule`'s `num_spec_tokens_to_schedule`), so by
+# the CPU runner too.
+NGRAM_DYNAMIC = {**NGRAM, "num_speculative_tokens_per_batch_size":
+                 [[1, 2, 4], [3, 8, 2], [9, 1024, 1]]}
+SUFFIX = {"method": "suffix"}
+
+
+def settings_for(model: str) -> dict[str, dict | None]:
+    """Every setting the sweep knows, by name."""
+    vocab = {"draft_vocab": model} if (CONFIGS_DIR / "vocab" / f"{model}.json").exists() else {}
+    heads = {"heads": model} if (CONFIGS_DIR / "heads" / model).exists() else {}
+    return {
+        "plain": None,
+        "ngram": NGRAM,
+        "ngram_dynamic": NGRAM_DYNAMIC,
+        "suffix": SUFFIX,
+        "recommended": {"method": "draft_verify", "draft_precision": "int8", **vocab,
+                        "lookup": {}},
+        "draft_verify": {"method": "draft_verify"},
+        "swift": {"method": "swift"},
+        "del": {"method": "del", **heads},
+        "adadecode": {"method": "adadecode", **heads},
+    }
+
+
+def write_prompts(path: Path, count: int, output_tokens: int) -> Path:
+    """Half HumanEval, half MT-bench, as vLLM's `custom` dataset (chat-templated
+    by the harness)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"prompt": q, "output_tokens": output_tokens}) + "\n"
+                            for q in prompt_sets.code_then_chat(count)))
+    return path
+
+
+def spec_counters(server: Server) -> dict[str, float]:
+    """vLLM's speculative counters and ours by source, summed since start."""
+    scrape = requests.get(f"{server.url}/metrics", timeout=30).text
+    drafted, accepted, drafts = server.spec_counters(scrape)
+    rounds = {source: server.metric("vllm:selfspec_rounds_total", scrape, source=source)
+              for source in ("self", "lookup", "none")}
+    return {"draft_tokens": drafted, "accepted_tokens": accepted, "drafts": drafts,
+            **{f"rounds_{source}": value for source, value in rounds.items()}}
+
+
+def bench(server: Server, model_dir: Path, prompts: Path, args, concurrency: int,
+          temperature: float, result: Path) -> dict:
+    """One `vllm bench serve` run; its saved result."""
+    num_prompts = max(args.min_prompts, concurrency * args.prompts_per_client)
+    command = [str(Path(sys.executable).with_name("vllm")), "bench", "serve",
+               "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+               "--base-url", server.url, "--model", str(model_dir),
+               "--dataset-name", "custom", "--dataset-path", str(prompts),
+               "--custom-output-len", str(args.output_tokens),
+               "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
+               "--temperature", str(temperature), "--seed", "0", "--ignore-eos",
+               "--percentile-metrics", "ttft,tpot", "--metric-percentiles", "50,99",
+               "--save-result", "--result-dir", str(result.parent),
+               "--result-filename", result.name]
+    run = subprocess.run(command, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SystemExit(f"vllm bench serve failed:\n{run.stderr[-3000:]}")
+    return json.loads(result.read_text())
+
+
+def measure(name: str, spec: dict | None, model_dir: Path, prompts: Path, args,
+            start: int, progress: tqdm) -> list[dict]:
+    """One server of `name`: every concurrency and temperature against it."""
+    logs = RESULTS / "logs"
+    server_args = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+                   "--seed", "0", "--max-num-seqs", str(max(args.concurrency))]
+    rows = []
+    with vllm_serve(model_dir, spec, logs / f"{args.name}-{name}-{start}.log", server_args,
+                    env={"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}) as server:
+        for temperature in args.temperatures:
+            for concurrency in args.concurrency:
+                before = spec_counters(server)
+                out = bench(server, model_dir, prompts, args, concurrency, temperature,
+                            logs / f"{args.name}-{name}-{start}-c{concurrency}-t{temperature}.json")
+                after = spec_counters(server)
+                counts = {key: after[key] - before[key] for key in after}
+                rounds = sum(counts[f"rounds_{s}"] for s in ("self", "lookup", "none"))
+                rows.append({
+                    "setting": name, "start": start, "concurrency": concurrency,
+                    "temperature": temperature,
+                    "output_throughput": out["output_throughput"],
+                    "median_tpot_ms": out["median_tpot_ms"], "p99_tpot_ms": out["p99_tpot_ms"],
+                    "median_ttft_ms": out["median_ttft_ms"], "p99_ttft_ms": out["p99_ttft_ms"],
+                    "acceptance": (counts["accepted_tokens"] / counts["draft_tokens"]
+                                   if counts["draft_tokens"] else None),
+                    "mean_accepted_length": (1 + counts["accepted_tokens"] / counts["drafts"]
+                                             if counts["drafts"] else None),
+                    "drafted_share": ((counts["rounds_self"] + counts["rounds_lookup"]) / rounds
+                                      if rounds else None),
+                    "counts": counts, "finished_at": time.time(),
+                })
+                progress.update()
+    return rows
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(v) for v in values))
+
+
+def ratios(rows: list[dict]) -> dict[tuple[str, int, float], list[float]]:
+    """Each setting's throughput over the geometric mean of the plain servers
+    run first and last in the same start, per start."""
+    found: dict[tuple[str, int, float], list[float]] = {}
+    for row in rows:
+        if row["setting"] == "plain":
+            continue
+        plain = [r for r in rows if r["setting"] == "plain" and r["start"] == row["start"]
+                 and r["concurrency"] == row["concurrency"]
+                 and r["temperature"] == row["temperature"]]
+        key = (row["setting"], row["concurrency"], row["temperature"])
+        found.setdefault(key, []).append(
+            row["output_throughput"] / geomean([r["output_throughput"] for r in plain]))
+    return found
+
+
+def table(rows: list[dict], args) -> str:
+    found = ratios(rows)
+    lines = [f"`{' '.join(sys.argv)}` · CPU flags: {' '.join(cpu_flags()) or 'none'} · "
+             f"{args.dtype} · {args.starts} start(s)", "",
+             "| setting | temperature | " + " | ".join(f"C={c}" for c in args.concurrency) + " |",
+             "|---|---|" + "---|" * len(args.concurrency)]
+    for setting in [s for s in args.settings if s != "plain"]:
+        for temperature in args.temperatures:
+            cells = []
+            for concurrency in args.concurrency:
+                values = found.get((setting, concurrency, temperature))
+                if not values:
+                    cells.append("-")
+                    continue
+                mine = [r for r in rows if r["setting"] == setting
+                        and r["concurrency"] == concurrency and r["temperature"] == temperature]
+                share = [r["drafted_share"] for r in mine if r["drafted_share"] is not None]
+                acc = [r["acceptance"] for r in mine if r["acceptance"] is not None]
+                spread = f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else ""
+                extra = []
+                if acc:
+                    extra.append(f"acc {statistics.fmean(acc):.2f}")
+                if share:
+                    extra.append(f"drafted {statistics.fmean(share):.0%}")
+                cells.append(f"**{geomean(values):.2f}x**{spread}"
+                             + (f"<br>{', '.join(extra)}" if extra else ""))
+            lines.append(f"| {setting} | {temperature} | " + " | ".join(cells) + " |")
+    plain = [r for r in rows if r["setting"] == "plain"]
+    lines += ["", "Plain vLLM's output tokens/s (median TPOT ms) per concurrency, over its servers: "
+              + "; ".join(
+                  f"T={t} C={c}: " + ", ".join(
+                      f"{r['output_throughput']:.1f} ({r['median_tpot_ms']:.0f})"
+                      for r in plain if r["concurrency"] == c and r["temperature"] == t)
+                  for t in args.temperatures for c in args.concurrency)]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], args, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(len(args.temperatures), 2, squeeze=False,
+                                figsize=(11, 4 * len(args.temperatures)))
+    for line, temperature in enumerate(args.temperatures):
+        for column, (metric, label) in enumerate((("output_throughput", "output tokens/s"),
+                                                  ("median_tpot_ms", "median TPOT (ms)"))):
+            axis = axes[line][column]
+            for setting in args.settings:
+                points = [(c, geomean([r[metric] for r in rows if r["setting"] == setting
+                                       and r["concurrency"] == c
+                                       and r["temperature"] == temperature]))
+                          for c in args.concurrency
+                          if any(r["setting"] == setting and r["concurrency"] == c
+                                 and r["temperature"] == temperature for r in rows)]
+                if points:
+                    axis.plot(*zip(*points), marker="o", label=setting)
+            axis.set_xscale("log", base=2)
+            axis.set_xlabel("requests in flight (--max-concurrency)")
+            axis.set_ylabel(label)
+            axis.set_title(f"{args.model}, temperature {temperature}")
+            axis.grid(alpha=0.3)
+            axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", help="name under models/")
+    parser.add_argument("--settings", default="plain,ngram,recommended",
+                        type=lambda s: s.split(","),
+                        help="comma-separated, from: " + ", ".join(settings_for("smollm2-135m")))
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32",
+                        type=lambda s: [int(c) for c in s.split(",")])
+    parser.add_argument("--temperatures", default="0,0.8",
+                        type=lambda s: [float(t) for t in s.split(",")])
+    parser.add_argument("--starts", type=int, default=3, help="engine starts per setting")
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--prompts-per-client", type=int, default=2)
+    parser.add_argument("--min-prompts", type=int, default=8)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kv-cache-gib", type=int, default=4)
+    parser.add_argument("--dtype", default=fast_dtype())
+    parser.add_argument("--name", default="serve-sweep")
+    args = parser.parse_args()
+    known = settings_for(args.model)
+    unknown = [s for s in args.settings if s not in known]
+    if unknown:
+        raise SystemExit(f"--settings: unknown {unknown}; known: {sorted(known)}")
+    if "plain" not in args.settings:
+        args.settings.insert(0, "plain")
+    model_dir = ROOT / "models" / args.model
+    prompts = write_prompts(RESULTS / "logs" / f"{args.name}-prompts.jsonl",
+                            max(args.min_prompts, max(args.concurrency) * args.prompts_per_client),
+                            args.output_tokens)
+    others = [s for s in args.settings if s != "plain"]
+    rows: list[dict] = []
+    per_server = len(args.concurrency) * len(args.temperatures)
+    with tqdm(total=args.starts * (len(others) + 2) * per_server if others
+              else args.starts * per_server, desc="bench runs") as progress:
+        for start in range(args.starts):
+            order = ["plain", *others, "plain"] if others else ["plain"]
+            for name in order:
+                progress.set_postfix_str(f"start {start + 1}: {name}")
+                rows += measure(name, known[name], model_dir, prompts, args, start, progress)
+                (RESULTS / f"{args.name}.json").write_text(json.dumps(
+                    {"argv": sys.argv, "cpu_flags": cpu_flags(), "dtype": args.dtype,
+                     "rows": rows}, indent=1))
+    report = table(rows, args)
+    (RESULTS / f"{args.name}.md").write_text(report)
+    plot(rows, args, RESULTS / f"{args.name}.png")
+    print(report)
+    print(f"results/{args.name}.json, .md, .png")
+
+
+if __name__ == "__main__":
+    main()
