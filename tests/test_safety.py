@@ -521,3 +521,13 @@ def test_drafting_resumes_after_a_slow_spell_of_the_machine():
         assert clock.costs(prior)[1] == slow  # still within the horizon
     clock.record_plain(1, plain_s, 20 + 512)
     assert clock.costs(prior)[1] == prior and best_budget(0.8, prior, 8, 0.05) > 0
+
+
+def test_an_export_dir_swift_cannot_write_fails_at_start_up(tmp_path):
+    from vllm_selfspec.proposers.swift import SwiftConfig
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"export_dir: cannot write into .*a-file/exports"):
+        SwiftConfig(method="swift", export_dir=str(blocker / "exports"))
+    assert SwiftConfig(method="swift", export_dir=str(tmp_path / "ok")).export_dir

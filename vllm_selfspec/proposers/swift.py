@@ -39,6 +39,7 @@ rank 0's scores, so all ranks hold the same search and draft the same set.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import time
@@ -50,6 +51,7 @@ import torch
 from torch import nn
 from vllm.config.utils import config
 from vllm.forward_context import set_forward_context
+from vllm.logger import init_logger
 
 from vllm_selfspec.config import SelfSpecConfig, SelfSpecConfigError
 from vllm_selfspec.draft_tokens import top1_probability
@@ -69,6 +71,8 @@ TASK_KEY = "selfspec_task"
 DEFAULT_TASK = "default"
 TASK_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
+logger = init_logger(__name__)
+
 
 def task_name(key: object) -> str | None:
     """A request's task key if it is a valid task name, else None."""
@@ -80,6 +84,19 @@ def compiled_frames() -> int:
     from torch._dynamo.utils import counters
 
     return counters["frames"]["ok"]
+
+
+def _check_writable(export_dir: str) -> None:
+    """Create `export_dir` and write a file in it, or fail at start-up."""
+    try:
+        Path(export_dir).mkdir(parents=True, exist_ok=True)
+        probe = Path(export_dir) / ".selfspec-write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise SelfSpecConfigError(
+            f"speculative_config.export_dir: cannot write into {export_dir!r} ({error}); "
+            "give a directory this server may write, or leave export_dir out.") from None
 
 
 def export_path(export_dir: str, task: str) -> Path:
@@ -163,6 +180,13 @@ class SwiftConfig(SelfSpecConfig):
             raise SelfSpecConfigError(
                 f"speculative_config.bayes_kappa: {self.bayes_kappa} must be >= 0 (the "
                 f"upper-confidence bound's weight; default {self.defaults['bayes_kappa']}).")
+        if self.bayes_interval > 0 and importlib.util.find_spec("bayes_opt") is None:
+            raise SelfSpecConfigError(
+                "speculative_config.bayes_interval: SWIFT's Bayesian search needs the "
+                "bayesian-optimization package; `pip install bayesian-optimization==3.4.0`, "
+                "or set bayes_interval to 0 (random candidates only).")
+        if self.export_dir is not None:
+            _check_writable(self.export_dir)
         if self.bayes_interval < 0:
             raise SelfSpecConfigError(
                 f"speculative_config.bayes_interval: {self.bayes_interval} must be >= 0 "
@@ -395,7 +419,6 @@ class SwiftProposer(SelfSpecProposer):
         if get_tp_group().rank_in_group != 0:
             return
         path = export_path(self.options.export_dir, task)
-        path.parent.mkdir(parents=True, exist_ok=True)
         best = search.incumbent
         settings = {"attn_skip": best.attn_skip, "mlp_skip": best.mlp_skip,
                     "num_speculative_tokens": self.options.num_speculative_tokens}
@@ -407,7 +430,11 @@ class SwiftProposer(SelfSpecProposer):
                         f"{search.iterations} candidates",
             "matchness": search.windows[-1],
         }
-        path.write_text(json.dumps(record, indent=2))
+        try:
+            path.write_text(json.dumps(record, indent=2))
+        except OSError as error:  # checked at start-up; a later failure is logged
+            logger.warning("SWIFT could not export task %r's skip set to %s: %s",
+                           task, path, error)
 
     def search_report(self) -> dict:
         return {"tasks": {task: search.report() for task, search in self.searches.items()},
