@@ -2,61 +2,23 @@
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import vllm
 
 from vllm_selfspec import patches
 
 
-def _vllm_original(patch: patches.Patch):
-    """What vLLM itself has at the patched place (before or after patching)."""
-    if patch in patches.ORIGINALS:
-        return patches.ORIGINALS[patch]
-    return vars(patch.target()).get(patch.attribute, patches._INHERITED)
-
-
-def _parameter_names(function) -> list[str]:
-    function = getattr(function, "__func__", function)
-    return list(inspect.signature(function).parameters)
-
-
 def test_every_patch_target_is_where_vllm_defines_it_and_fits():
-    """Each replaced attribute is defined by vLLM exactly there (a `__new__` we
-    add must not hide one vLLM defines), and each replaced function takes the
-    parameters vLLM's has: a rename or a move in vLLM fails here."""
+    """Each replaced attribute is defined by vLLM exactly there and takes the
+    parameters its replacement takes (the check run at plugin load)."""
     for patch in patches.PATCHES + patches.RAY_CPU_PATCHES:
-        original = _vllm_original(patch)
-        replacement = patch.resolve_replacement()
-        if patch.attribute == "__new__":
-            assert isinstance(patch.target(), type), patch
-            assert original is patches._INHERITED, f"vLLM now defines {patch}"
-            assert _parameter_names(replacement) == ["cls", "args", "kwargs"]
-        elif isinstance(replacement, str):  # a class attribute (Ray device key)
-            inherited = getattr(type.mro(patch.target())[1], patch.attribute)
-            assert isinstance(inherited if original is patches._INHERITED else original,
-                              str), patch
-        else:
-            assert original is not patches._INHERITED, f"vLLM no longer defines {patch}"
-            assert _parameter_names(original) == _parameter_names(replacement), patch
+        assert patches.patch_mismatch(patch) is None
 
 
 def test_vllm_internals_we_call_are_there():
-    """Module-level functions are found in the module's source without
-    importing it (the n-gram module brings numba, whose objects break
-    vLLM-CPU's kernel-override scan in a process that runs it later)."""
-    import importlib
-    import importlib.util
-    from pathlib import Path
-
     for module, owner, attribute, why in patches.USED_INTERNALS:
-        if owner:
-            target = getattr(importlib.import_module(module), owner)
-            assert callable(getattr(target, attribute, None)), (module, owner, attribute, why)
-        else:
-            source = Path(importlib.util.find_spec(module).origin).read_text()
-            assert f"\ndef {attribute}(" in source, (module, attribute, why)
+        assert not patches.internal_missing(module, owner, attribute), (module, attribute, why)
+    assert patches.incompatibilities() == []
 
 
 def test_ray_on_cpu_only_when_switched_on(monkeypatch):
@@ -113,11 +75,44 @@ def test_token_source_counts_cross_from_engine_core_to_front_end():
     assert RequestSpecDecodeMetrics.new(4).token_sources == {}  # a fresh dict each
 
 
-def test_other_vllm_versions_are_refused(monkeypatch):
-    monkeypatch.setattr(vllm, "__version__", "0.33.0")
-    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x only and found "
-                                           r"vLLM 0\.33\.0; install vllm==0\.32\.0"):
-        patches.check_vllm_version()
+@pytest.fixture
+def unpatched(monkeypatch):
+    """No patch applied for the test; vLLM as installed (the test's
+    monkeypatching undone) and the plugin's usual state afterwards."""
+    patches.remove_patches()
+    yield
+    monkeypatch.undo()
+    patches.remove_patches()
+    patches.apply_patches()
+    assert not patches.INACTIVE_BECAUSE
+
+
+@pytest.mark.parametrize("change", ["version", "signature"])
+def test_a_changed_vllm_leaves_plain_vllm_alone_and_refuses_our_methods(
+        monkeypatch, unpatched, change):
+    """Another vLLM version, or a 0.32.x whose patched function takes other
+    parameters: the plugin patches nothing, vLLM's own configs build as
+    before, and our methods fail at start-up naming what differs."""
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if change == "version":
+        monkeypatch.setattr(vllm, "__version__", "0.33.0")
+        reason = r"supports vLLM 0\.32\.x only and found vLLM 0\.33\.0; install vllm==0\.32\.0"
+    else:
+        monkeypatch.setattr(GPUModelRunner, "sample_tokens",
+                            lambda self, grammar_output, extra: None)
+        reason = (r"gpu_model_runner\.GPUModelRunner\.sample_tokens: its parameters are "
+                  r"now \['self', 'grammar_output', 'extra'\]")
+    patches.apply_patches()
+    assert patches.ORIGINALS == {}
+    assert "__new__" not in vars(GPUModelRunner)
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=2,
+                              prompt_lookup_max=3, prompt_lookup_min=1)
+    assert type(ngram) is SpeculativeConfig
+    with pytest.raises(RuntimeError, match=r"'del' needs vllm-selfspec, which is inactive .*"
+                                           + reason):
+        SpeculativeConfig(method="del", num_speculative_tokens=2)
 
 
 def test_cpu_expand_kernel_keeps_float_values():

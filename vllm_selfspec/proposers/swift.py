@@ -20,14 +20,19 @@ plain steps, rank 0's on every rank).
 State is per task: a request names its task in `SamplingParams.extra_args`
 (`{"selfspec_task": "code"}`, `vllm_xargs` over HTTP); requests without one
 share the task "default". A task key is 1-64 characters of [A-Za-z0-9_-]
-(it names an exported file); a request with any other key, or with a new key
-once `max_tasks` searches exist, joins "default" (counted in the search
-report), so a client can neither write outside `export_dir` nor grow the
-server's state. A round drafts with the skip set of the task most of
-its requests belong to. Eager engines draft with each new incumbent at once;
-compiled engines keep the uniform set's compiled graph while a task's search
-runs and compile its final set once the search ends (`compile_learned_set`:
-requests wait while it compiles, once per task; off, it drafts uncompiled).
+(it names an exported file). At most `max_tasks` searches are held: a new
+key takes the slot of the least recently used task no request of the batch
+belongs to (its search is dropped, and starts again if the task returns);
+a request with an invalid key, or a new key while every held task is in the
+batch, joins "default" (counted in the search report), so a client can
+neither write outside `export_dir` nor grow the server's state. A round
+drafts with the skip set of the task most of its requests belong to. Eager
+engines draft with each new incumbent at once; compiled engines keep the
+uniform set's compiled graph while a task's search runs and compile its final
+set once the search ends (`compile_learned_set`: requests wait while it
+compiles; compiles take at most COMPILE_SHARE of the time, however many keys
+clients send: a set that may not compile yet drafts uncompiled meanwhile;
+off, it always drafts uncompiled).
 
 Drafting stops after a token whose top-1 probability is below `confidence`,
 at most `num_speculative_tokens` (25) a round. Verification is vLLM's chain
@@ -41,7 +46,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -59,24 +63,23 @@ from vllm_selfspec.proposers.base import MIN_GAIN, SelfSpecProposer, VerifiedTok
 from vllm_selfspec.workers.draft_model import LayerPlan
 from vllm_selfspec.workers.draft_payoff import StepCosts
 from vllm_selfspec.workers.skip_search import (
+    DEFAULT_TASK,
+    CompileBudget,
     SearchSettings,
     SkipSet,
     SkipSetSearch,
+    TaskSlots,
     rounds_until_next_search,
     search_outlook,
     skip_count,
+    task_name,
 )
 
 TASK_KEY = "selfspec_task"
-DEFAULT_TASK = "default"
-TASK_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# Learned sets compile in at most this share of the time (CompileBudget).
+COMPILE_SHARE = 0.1
 
 logger = init_logger(__name__)
-
-
-def task_name(key: object) -> str | None:
-    """A request's task key if it is a valid task name, else None."""
-    return key if isinstance(key, str) and TASK_NAME.fullmatch(key) else None
 
 
 def compiled_frames() -> int:
@@ -137,7 +140,7 @@ class SwiftConfig(SelfSpecConfig):
     config file for `draft_verify` (default: not written)."""
     max_tasks: int | None = None
     """Most task searches held at once, "default" included (default 8); a
-    request with a new key beyond that joins "default"."""
+    new key beyond that takes the least recently used idle task's slot."""
     search_share: float | None = None
     """With cost_aware: most share of decoding time spent scoring candidates
     (default 0.02); each step's measured cost spaces the next."""
@@ -214,9 +217,10 @@ class SwiftProposer(SelfSpecProposer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.searches: dict[str, SkipSetSearch] = {}
+        self.tasks = TaskSlots(self.options.max_tasks, lambda: SkipSetSearch(
+            self.model.plan.num_layers, self.options.search_settings()))
         self.window_owner: dict[str, str] = {}  # task -> request scored on
-        self.refused_keys = Counter()  # task keys sent to "default", by reason
+        self.compile_budget = CompileBudget(COMPILE_SHARE)
         self.engine_steps = 0
         self.optimise_seconds = 0.0  # for reports only, never for decisions
         self.scoring_compiles = 0  # torch.compile frames traced while scoring: reports only
@@ -226,8 +230,8 @@ class SwiftProposer(SelfSpecProposer):
         from vllm.config import CompilationMode
 
         self.eager = self.vllm_config.compilation_config.mode == CompilationMode.NONE
-        self.compiled_drafts: dict[SkipSet, nn.Module] = {}  # compiled engines: one per task
-        self.compile_seconds: dict[str, float] = {}  # task -> seconds requests waited
+        self.compiled_drafts: dict[SkipSet, nn.Module] = {}  # compiled engines: held tasks' sets
+        self.compile_seconds: dict[str, float] = {}  # held task -> seconds requests waited
 
     def layer_plan(self, num_layers: int) -> LayerPlan:
         self.drafting_set = self.uniform_set(num_layers)
@@ -235,7 +239,8 @@ class SwiftProposer(SelfSpecProposer):
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
-        if not getattr(self.model, "do_not_compile", True):
+        self.compiles_drafts = not getattr(self.model, "do_not_compile", True)
+        if self.compiles_drafts:
             self.compiled_drafts[self.drafting_set] = self.model
 
     def time_costs(self) -> None:
@@ -257,32 +262,23 @@ class SwiftProposer(SelfSpecProposer):
         return top1_probability(logits) < self.options.confidence
 
     # --- tasks ---------------------------------------------------------------
-    def task_of(self, req_id: str) -> str:
-        """The request's task: its valid key, else "default" (see the module
-        docstring); refusals are counted, not logged per request."""
-        extra = self.runner.requests[req_id].sampling_params.extra_args or {}
-        key = extra.get(TASK_KEY)
-        if key is None:
-            return DEFAULT_TASK
-        task = task_name(key)
-        if task is None:
-            self.refused_keys["invalid"] += 1
-            return DEFAULT_TASK
-        held = set(self.searches) | {DEFAULT_TASK}  # "default" always has a place
-        if task not in held and len(held) >= self.options.max_tasks:
-            self.refused_keys["over_max_tasks"] += 1
-            return DEFAULT_TASK
-        self.search_for(task)  # admitted now, so it counts for the next key
-        return task
-
-    def search_for(self, task: str) -> SkipSetSearch:
-        if task not in self.searches:
-            self.searches[task] = SkipSetSearch(self.model.plan.num_layers,
-                                                self.options.search_settings())
-        return self.searches[task]
+    def tasks_of(self, req_ids: list[str]) -> list[str]:
+        """Each request's task (TaskSlots: refusals and expiries are counted,
+        not logged per request); an expired task's window and compiled set go
+        with it."""
+        tasks = self.tasks.assign([
+            (self.runner.requests[req_id].sampling_params.extra_args or {}).get(TASK_KEY)
+            for req_id in req_ids])
+        for held_by_task in (self.window_owner, self.compile_seconds):
+            for task in set(held_by_task) - set(self.tasks.searches):
+                del held_by_task[task]
+        kept = {self.drafting_set, *(search.incumbent for search in self.tasks.searches.values())}
+        for skip_set in set(self.compiled_drafts) - kept:
+            del self.compiled_drafts[skip_set]
+        return tasks
 
     def begin_round(self, req_ids: list[str], verified: VerifiedTokens) -> None:
-        tasks = [self.task_of(req_id) for req_id in req_ids]
+        tasks = self.tasks_of(req_ids)
         self.engine_steps += 1
         costs = (self._timed_costs(req_ids, self.options.num_speculative_tokens)
                  if self.options.cost_aware else None)  # a drafting round has costs
@@ -297,18 +293,23 @@ class SwiftProposer(SelfSpecProposer):
                 self.space_search(len(req_ids), seconds)
         counts = Counter(tasks)
         majority = min(counts, key=lambda task: (-counts[task], task))
-        search = self.search_for(majority)
+        search = self.tasks.searches[majority]
         if search.done or self.eager:
             self.draft_with(search.incumbent, majority)
 
     def draft_with(self, skip_set: SkipSet, task: str) -> None:
-        if skip_set == self.drafting_set:
+        """Draft with `skip_set` from this round on: its compiled draft if it
+        has one or may compile now, else uncompiled (a compiled engine tries to
+        compile it again in later rounds, within the compile budget)."""
+        compiled = skip_set in self.compiled_drafts
+        wants_compile = self.compiles_drafts and self.options.compile_learned_set
+        if skip_set == self.drafting_set and (compiled or not wants_compile):
             return
-        if skip_set in self.compiled_drafts:
+        if compiled:
             self.model = self.compiled_drafts[skip_set]
-        elif self.compiled_drafts and self.options.compile_learned_set:
+        elif wants_compile and self.agreed(self.compile_budget.allows()):
             self.model = self.compiled_drafts[skip_set] = self.compile_draft(skip_set, task)
-        else:
+        elif skip_set != self.drafting_set:
             self.replace_layer_plan(skip_set.plan())
         self.drafting_set = skip_set
 
@@ -320,14 +321,16 @@ class SwiftProposer(SelfSpecProposer):
         learned sets share one cache key, under which no graph is saved."""
         from vllm.config import set_current_vllm_config
 
-        started = time.perf_counter()
+        started = self.compile_budget.clock()
         with set_current_vllm_config(self.vllm_config):
             draft = self._build_draft(skip_set.plan(), cache_key="learned_set")
         draft.save_aot_compiled_function = lambda: None
         tokens = torch.zeros(8, dtype=torch.int32, device=self.device)
         with set_forward_context(None, self.vllm_config, num_tokens=8):  # compiles
             draft(tokens, torch.zeros(8, dtype=torch.int64, device=self.device))
-        self.compile_seconds[task] = time.perf_counter() - started
+        seconds = self.compile_budget.clock() - started
+        self.compile_budget.spent(started, seconds)
+        self.compile_seconds[task] = seconds
         return draft
 
     # --- the search ----------------------------------------------------------
@@ -337,7 +340,7 @@ class SwiftProposer(SelfSpecProposer):
         that has a request with a full window; with `costs` (cost-aware), only
         where a candidate can pay (`search_outlook`). True if it scored."""
         for task in sorted(set(tasks)):
-            search = self.search_for(task)
+            search = self.tasks.searches[task]
             if search.done:
                 continue
             row = self.scoring_row(task, req_ids, tasks, verified)
@@ -437,7 +440,8 @@ class SwiftProposer(SelfSpecProposer):
                            task, path, error)
 
     def search_report(self) -> dict:
-        return {"tasks": {task: search.report() for task, search in self.searches.items()},
+        return {"tasks": {task: search.report()
+                          for task, search in self.tasks.searches.items()},
                 "drafting": {"attn_skip": self.drafting_set.attn_skip,
                              "mlp_skip": self.drafting_set.mlp_skip,
                              "compiled": self.drafting_set in self.compiled_drafts},
@@ -445,7 +449,8 @@ class SwiftProposer(SelfSpecProposer):
                 "optimise_seconds": self.optimise_seconds,
                 "scoring_compiles": self.scoring_compiles,
                 "futile_rounds": self.futile_rounds,
-                "refused_task_keys": dict(self.refused_keys)}
+                "refused_task_keys": dict(self.tasks.refused),
+                "expired_tasks": self.tasks.expired}
 
     def forget_finished(self, live_req_ids: set[str]) -> None:
         for task, owner in list(self.window_owner.items()):
@@ -456,7 +461,7 @@ class SwiftProposer(SelfSpecProposer):
         """Window owners are requests; searches are per task (at most
         `max_tasks`), reported beside them."""
         return {**super().per_request_state(), "window_owners": len(self.window_owner),
-                "tasks": len(self.searches)}
+                "tasks": len(self.tasks.searches)}
 
 
 CONFIG_CLASS = SwiftConfig

@@ -27,6 +27,10 @@ that see the same scores hold the same search.
 from __future__ import annotations
 
 import math
+import re
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -227,3 +231,83 @@ class SkipSetSearch:
             # Noisy scores (the reference's alpha), one kernel fit per suggestion.
             self._optimizer._gp.set_params(alpha=1e-2, n_restarts_optimizer=0)
         return self._optimizer
+
+
+# --- tasks: whose searches are held -----------------------------------------
+DEFAULT_TASK = "default"
+TASK_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def task_name(key: object) -> str | None:
+    """A request's task key if it is a valid task name, else None."""
+    return key if isinstance(key, str) and TASK_NAME.fullmatch(key) else None
+
+
+class TaskSlots:
+    """The tasks whose searches are held: at most `capacity`, "default"
+    (always held) included. A request's key names its task if it is a valid
+    task name; a new one takes a free slot, else the slot of the least
+    recently used task no request of the batch belongs to (that task's
+    search is dropped: it starts again if the task comes back); when every
+    held task is in the batch, the request joins "default". Invalid keys join
+    "default" too. Refusals and expiries are counted, per request and round."""
+
+    def __init__(self, capacity: int, new_search: Callable[[], SkipSetSearch]):
+        self.capacity = capacity
+        self.new_search = new_search
+        self.searches: OrderedDict[str, SkipSetSearch] = OrderedDict()  # least recent first
+        self.refused: Counter[str] = Counter()
+        self.expired = 0
+
+    def assign(self, keys: list[object]) -> list[str]:
+        """Each request's task, for the requests of one batch (by their keys;
+        None: no key sent)."""
+        if DEFAULT_TASK not in self.searches:
+            self.searches[DEFAULT_TASK] = self.new_search()
+        names = []
+        for key in keys:
+            name = DEFAULT_TASK if key is None else task_name(key)
+            if name is None:
+                self.refused["invalid"] += 1
+            names.append(name or DEFAULT_TASK)
+        in_batch = {DEFAULT_TASK} | {name for name in names if name in self.searches}
+        tasks = []
+        for name in names:
+            if name not in self.searches and not self._make_room(in_batch):
+                self.refused["over_max_tasks"] += 1
+                name = DEFAULT_TASK
+            if name not in self.searches:
+                self.searches[name] = self.new_search()
+                in_batch.add(name)
+            tasks.append(name)
+        for name in dict.fromkeys(tasks):
+            self.searches.move_to_end(name)
+        return tasks
+
+    def _make_room(self, in_batch: set[str]) -> bool:
+        if len(self.searches) < self.capacity:
+            return True
+        idle = next((task for task in self.searches if task not in in_batch), None)
+        if idle is None:
+            return False
+        del self.searches[idle]
+        self.expired += 1
+        return True
+
+
+class CompileBudget:
+    """Learned sets compile (while requests wait) in at most `share` of the
+    time: after a compile that took s seconds, the next may start s / share
+    seconds after this one started. Bounded per time, however many task keys
+    clients send."""
+
+    def __init__(self, share: float, clock: Callable[[], float] = time.monotonic):
+        self.share = share
+        self.clock = clock
+        self.next_allowed = -math.inf
+
+    def allows(self) -> bool:
+        return self.clock() >= self.next_allowed
+
+    def spent(self, started: float, seconds: float) -> None:
+        self.next_allowed = started + seconds / self.share
