@@ -268,12 +268,13 @@ class Acceptance:
     sources: collections.Counter = field(default_factory=collections.Counter)  # our token_sources, summed
 
     def add(self, output) -> None:
-        stats = output.outputs[0].spec_decode_metrics
-        if stats is not None:
-            self.drafted += stats.num_draft_tokens
-            self.accepted += sum(j * n for j, n in enumerate(stats.histogram))
-            self.rounds += sum(stats.histogram)
-            self.sources.update(stats.token_sources)
+        for completion in output.outputs:  # n > 1: each has its own metrics
+            stats = completion.spec_decode_metrics
+            if stats is not None:
+                self.drafted += stats.num_draft_tokens
+                self.accepted += sum(j * n for j, n in enumerate(stats.histogram))
+                self.rounds += sum(stats.histogram)
+                self.sources.update(stats.token_sources)
 
 
 def greedy(llm, prompts: list[str], batch_size: int, max_tokens: int = PARITY_TOKENS,
@@ -325,7 +326,7 @@ REPRODUCED = 32  # seeded samples drawn twice by the sampling test
 
 
 def assert_same_sampling_distribution(llm, reference_llm, samples: int = 300,
-                                      after_rejections: bool = False) -> None:
+                                      after_rejections: bool = False, **sampling) -> None:
     """Chi-square test of the 2nd and 3rd tokens sampled at temperature 0.8,
     which speculation produces through draft verification (the 1st comes from
     the prefill), against an engine without speculation; seeded requests
@@ -333,18 +334,22 @@ def assert_same_sampling_distribution(llm, reference_llm, samples: int = 300,
     then most requests have had drafts rejected and tokens resampled from the
     remainder (the test checks that rejections happened), so a wrong residual
     distribution or a rollback bug shows there even where the first tokens
-    look right."""
+    look right. `sampling`: more SamplingParams (top-k, penalties, n: then
+    samples / n requests, each seeded apart from its siblings' seeds)."""
     prompt, max_tokens, positions = (("The weather today is", 10, (1, 2, 6, 9))
                                      if after_rejections
                                      else ("My favourite animal is the", 3, (1, 2)))
-    ours, acceptance = _sampled_tokens(llm, prompt, range(samples), max_tokens, positions)
+    extra = tuple(sorted(sampling.items()))
+    n = sampling.get("n", 1)
+    seeds = range(0, samples, n)
+    ours, acceptance = _sampled_tokens(llm, prompt, seeds, max_tokens, positions, extra)
     # Re-drawn in other batches: a request's draft must not depend on its batch.
-    assert _sampled_tokens(llm, prompt, range(REPRODUCED), max_tokens,
-                           positions)[0] == ours[:REPRODUCED], "seeded requests did not reproduce"
+    assert _sampled_tokens(llm, prompt, seeds[:REPRODUCED], max_tokens, positions,
+                           extra)[0] == ours[:REPRODUCED * n], "seeded requests did not reproduce"
     if after_rejections:
         assert acceptance.drafted > acceptance.accepted > 0, acceptance
-    _assert_same_columns(ours, _reference_samples(reference_llm, prompt, samples,
-                                                  max_tokens, positions))
+    _assert_same_columns(ours, _reference_samples(reference_llm, prompt, seeds,
+                                                  max_tokens, positions, extra))
 
 
 def _assert_same_columns(ours, reference) -> None:
@@ -359,25 +364,28 @@ def _assert_same_columns(ours, reference) -> None:
 
 
 @functools.cache
-def _reference_samples(reference_llm, prompt: str, samples: int, max_tokens: int,
-                       positions: tuple[int, ...]) -> list[tuple[int, ...]]:
+def _reference_samples(reference_llm, prompt: str, seeds: range, max_tokens: int,
+                       positions: tuple[int, ...], extra: tuple) -> list[tuple[int, ...]]:
     """The reference engine's samples, drawn once per session (seeded, so
     every method's test compares against the same draw)."""
-    return _sampled_tokens(reference_llm, prompt, range(samples), max_tokens, positions)[0]
+    return _sampled_tokens(reference_llm, prompt, seeds, max_tokens, positions, extra)[0]
 
 
 def _sampled_tokens(llm, prompt: str, seeds: range, max_tokens: int,
-                    positions: tuple[int, ...]) -> tuple[list[tuple[int, ...]], Acceptance]:
-    """Each seeded sample's tokens at `positions`, and the drafts' acceptance."""
+                    positions: tuple[int, ...], extra: tuple = ()
+                    ) -> tuple[list[tuple[int, ...]], Acceptance]:
+    """Each seeded sample's tokens at `positions` (every completion of each
+    request), and the drafts' acceptance."""
     from vllm import SamplingParams
 
     params = [SamplingParams(temperature=0.8, max_tokens=max_tokens, seed=seed,
-                             ignore_eos=True) for seed in seeds]
+                             ignore_eos=True, **dict(extra)) for seed in seeds]
     outputs = llm.generate([prompt] * len(seeds), params, use_tqdm=False)
     acceptance = Acceptance()
     for output in outputs:
         acceptance.add(output)
-    return [tuple(o.outputs[0].token_ids[p] for p in positions) for o in outputs], acceptance
+    return [tuple(completion.token_ids[p] for p in positions)
+            for o in outputs for completion in o.outputs], acceptance
 
 
 def _contingency(first: list[int], second: list[int]) -> list[list[int]]:

@@ -129,14 +129,17 @@ def test_starts_off_the_runs_typical_machine_are_retaken_by_the_probe_alone():
     assert row["speedup_spread"] == [0.8, 1.0] and len(row["retakes"]) == 2
 
 
-def test_machine_speed_is_a_bandwidth_in_gb_per_s():
-    """The probe reports GB/s (a slowed VM streamed 0.2, a cache gives tens;
-    seconds or bytes/s would fall outside) and leaves the caller's thread
-    count as it found it."""
+def test_machine_speed_is_a_bandwidth_in_gb_per_s(monkeypatch):
+    """The probe reports GB/s: four passes over PROBE_BYTES in the 2 s its
+    clock says they took are 2 * PROBE_BYTES / 1e9; it leaves the caller's
+    thread count as it found it."""
+    import benchmark
     import torch
 
     threads = torch.get_num_threads()
-    assert 0.001 < machine_speed() < 1000
+    clock = iter([10.0, 12.0])
+    monkeypatch.setattr(benchmark.time, "perf_counter", lambda: next(clock, 12.0))
+    assert machine_speed() == pytest.approx(2 * benchmark.PROBE_BYTES / 1e9)
     assert torch.get_num_threads() == threads
 
 

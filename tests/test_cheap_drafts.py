@@ -64,7 +64,6 @@ def test_the_draft_forward_multiplies_in_int8(cheap):
 
     assert int8_calls("plain") == 0
     assert int8_calls("draft") >= 1
-    assert profile["draft"]["ms_per_step"] > 0
 
 
 @pytest.mark.parametrize("batch_size", [1, 8])
@@ -73,7 +72,7 @@ def test_greedy_output_identical_to_plain_vllm(cheap, plain_outputs, test_prompt
     assert_greedy_parity_with_rejections(cheap, plain_outputs, test_prompts, batch_size)
 
 
+@pytest.mark.parametrize("cheap", ["draft_verify"], indirect=True)
 def test_sampling_keeps_the_target_distribution(cheap, plain):
-    if cheap.method != "draft_verify":
-        pytest.skip("one method family with both levers on is enough here")
+    """The recommended setting's (one method family with both levers on)."""
     assert_same_sampling_distribution(cheap, plain)

@@ -111,6 +111,79 @@ def test_sampling_keeps_the_target_distribution_also_after_rejections(skip_set_w
     assert_same_sampling_distribution(skip_set_with_lookup, plain, after_rejections=True)
 
 
+def test_max_tokens_1_and_prompt_logprobs_are_plain_vllms(skip_set_with_lookup, plain,
+                                                         test_prompts):
+    """Requests of one token (no round ever verifies a draft) beside longer
+    ones, and prompt and sample logprobs with drafts on: the same tokens,
+    logprobs within float32 rounding."""
+    from vllm import SamplingParams
+
+    prompts = test_prompts[:6]
+    params = [SamplingParams(temperature=0.0, max_tokens=1 if index % 2 else PARITY_TOKENS,
+                             ignore_eos=True, logprobs=2, prompt_logprobs=2)
+              for index in range(len(prompts))]
+    ours = skip_set_with_lookup.generate(prompts, params, use_tqdm=False)
+    reference = plain.generate(prompts, params, use_tqdm=False)
+    acceptance = Acceptance()
+    for mine, theirs in zip(ours, reference):
+        acceptance.add(mine)
+        assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
+        for got, want in zip([*mine.prompt_logprobs[1:], *mine.outputs[0].logprobs],
+                             [*theirs.prompt_logprobs[1:], *theirs.outputs[0].logprobs]):
+            assert got.keys() == want.keys()
+            for token, logprob in want.items():
+                assert got[token].logprob == pytest.approx(logprob.logprob, abs=1e-3)
+    assert [len(o.outputs[0].token_ids) for o in ours[1::2]] == [1, 1, 1]
+    assert acceptance.drafted > 0, acceptance  # the long requests drafted
+
+
+def test_penalties_keep_greedy_parity(skip_set_with_lookup, plain, test_prompts):
+    """Repetition, presence and frequency penalties apply to the target's
+    logits at every verified position as at a plain step."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=PARITY_TOKENS, ignore_eos=True,
+                            repetition_penalty=1.3, presence_penalty=0.4,
+                            frequency_penalty=0.3)
+    prompts = test_prompts[:8]
+    acceptance = Acceptance()
+    ours = skip_set_with_lookup.generate(prompts, params, use_tqdm=False)
+    for output in ours:
+        acceptance.add(output)
+    reference = plain.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].text for o in ours] == [o.outputs[0].text for o in reference]
+    assert acceptance.drafted > acceptance.accepted > 0, acceptance
+
+
+@pytest.mark.parametrize("sampling", [
+    {"top_k": 20, "top_p": 0.9},
+    {"repetition_penalty": 1.3, "frequency_penalty": 0.3},
+    {"n": 2},
+], ids=["top_k_top_p", "penalties", "n_2"])
+def test_sampling_options_keep_the_target_distribution(skip_set_with_lookup, plain,
+                                                       sampling):
+    assert_same_sampling_distribution(skip_set_with_lookup, plain, after_rejections=True,
+                                      **sampling)
+
+
+def test_a_seeded_request_returns_the_same_text_under_any_load(skip_set_with_lookup,
+                                                               test_prompts):
+    """With cost_aware off (what the test engines run; README, "Seeded
+    sampling"), every request drafts the same whatever shares its batch, so one
+    seeded request alone, beside 3 others and beside 15 returns one text."""
+    from vllm import SamplingParams
+
+    seeded = SamplingParams(temperature=0.8, max_tokens=40, seed=7, ignore_eos=True)
+    others = SamplingParams(temperature=0.8, max_tokens=48, ignore_eos=True)
+    texts = set()
+    for company in (0, 3, 15, 0, 7):
+        outputs = skip_set_with_lookup.generate(
+            [test_prompts[2], *test_prompts[3:3 + company]],
+            [seeded, *[others] * company], use_tqdm=False)
+        texts.add(outputs[0].outputs[0].text)
+    assert len(texts) == 1, texts
+
+
 def test_cost_aware_drafting_declines_where_drafts_lose(plain_outputs, test_prompts):
     """A draft through layer 0 alone is cheap but seldom right: the budget
     drafts at most a token where a request's own record says it may pay and

@@ -24,6 +24,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -208,6 +209,8 @@ USED_INTERNALS = (
     ("vllm.v1.spec_decode.ngram_proposer", "",
      "_find_longest_matched_ngram_and_propose_tokens",
      "lookup drafts: vLLM's n-gram matcher on a request's own tokens"),
+    ("vllm.v1.sample.sampler", "", "_SAMPLING_EPS",
+     "draft sampling treats a row as greedy where vLLM's sampler does"),
 )
 
 ORIGINALS: dict[Patch, Any] = {}
@@ -274,15 +277,16 @@ def patch_mismatch(patch: Patch) -> str | None:
 
 
 def internal_missing(module: str, owner: str, attribute: str) -> bool:
-    """Whether an internal we call is gone; module-level functions are found in
-    the module's source without importing it (the n-gram module brings numba,
-    whose objects break vLLM-CPU's kernel-override scan in a process that
-    runs it later)."""
+    """Whether an internal we use is gone; module-level names are found in
+    the module's source (a function or an assignment) without importing it
+    (the n-gram module brings numba, whose objects break vLLM-CPU's
+    kernel-override scan in a process that runs it later)."""
     if owner:
         target = getattr(importlib.import_module(module), owner, None)
         return not callable(getattr(target, attribute, None))
     spec = importlib.util.find_spec(module)
-    return spec is None or f"\ndef {attribute}(" not in Path(spec.origin).read_text()
+    defined = re.compile(rf"^(def {re.escape(attribute)}\(|{re.escape(attribute)}\s*[:=])", re.M)
+    return spec is None or not defined.search(Path(spec.origin).read_text())
 
 
 def incompatibilities() -> list[str]:

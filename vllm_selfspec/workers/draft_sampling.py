@@ -22,9 +22,7 @@ draft without probabilities.
 from __future__ import annotations
 
 import torch
-
-# vLLM's sampler treats temperatures below this as greedy.
-GREEDY_BELOW = 1e-5
+from vllm.v1.sample.sampler import _SAMPLING_EPS  # below it, vLLM samples greedily
 
 
 class DraftSampler:
@@ -32,7 +30,7 @@ class DraftSampler:
 
     def __init__(self, temperature: torch.Tensor, seeds: dict[int, int],
                  batch_size: int, max_drafts: int, vocab_size: int):
-        self.random = temperature[:batch_size] >= GREEDY_BELOW
+        self.random = temperature[:batch_size] >= _SAMPLING_EPS
         self.temperature = torch.where(self.random, temperature[:batch_size], 1.0).view(-1, 1)
         self.seeds = {row: seed for row, seed in seeds.items() if row < batch_size}
         self.probs = torch.zeros(batch_size, max_drafts, vocab_size, dtype=torch.float32,
