@@ -569,3 +569,23 @@ def test_an_export_dir_swift_cannot_write_fails_at_start_up(tmp_path):
     with pytest.raises(ValueError, match=r"export_dir: cannot write into .*a-file/exports"):
         SwiftConfig(method="swift", export_dir=str(blocker / "exports"))
     assert SwiftConfig(method="swift", export_dir=str(tmp_path / "ok")).export_dir
+
+
+def test_draft_probabilities_one_hot_for_unsampled_drafts_zero_without_a_draft():
+    """Row 0 sampled its first draft (q kept), then stopped (NO_DRAFT); row 1
+    is greedy: its drafts are one-hot. A position without a draft has q = 0,
+    so a pad vLLM verifies leaves the target's own sample."""
+    import torch
+
+    from vllm_selfspec.workers.draft_sampling import DraftSampler
+
+    sampler = DraftSampler(torch.tensor([0.8, 0.0]), {}, batch_size=2, max_drafts=2,
+                           vocab_size=4)
+    drafts = sampler.sample(torch.tensor([[2.0, 1.0, 0.0, 0.0], [0.0, 0.0, 3.0, 0.0]]),
+                            positions=torch.tensor([5, 9]))
+    assert drafts[1] == 2  # the greedy row drafts its argmax
+    sampler.keep(0, torch.tensor([True, True]))
+    probs = sampler.round_probs(torch.tensor([[int(drafts[0]), -1], [2, 3]]))
+    assert torch.allclose(probs[0, 0], torch.softmax(torch.tensor([2.0, 1, 0, 0]) / 0.8, -1))
+    assert probs[0, 1].sum() == 0
+    assert probs[1].tolist() == [[0, 0, 1, 0], [0, 0, 0, 1]]

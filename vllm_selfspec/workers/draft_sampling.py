@@ -15,8 +15,8 @@ lowers acceptance but not correctness). Greedy requests draft the argmax (their
 rows' probabilities are not read). A seeded request draws its drafts from a
 generator seeded by its seed and the draft's position, so its drafts, like its
 output, depend on nothing else in the batch. Rows whose drafts the round did
-not sample (lookups, no draft) get one-hot rows, which is how vLLM verifies a
-draft without probabilities.
+not sample (lookups) get one-hot rows, which is how vLLM verifies a draft
+without probabilities; positions without a draft get zero rows.
 """
 
 from __future__ import annotations
@@ -70,9 +70,11 @@ class DraftSampler:
         self.sampled[kept, step] = True
 
     def round_probs(self, drafts: torch.Tensor) -> torch.Tensor:
-        """[batch, max_drafts, vocab] q of every draft: the sampled ones', and
-        one-hot rows at the others (lookups, greedy rows, no draft)."""
-        one_hot = ~self.sampled
+        """[batch, max_drafts, vocab] q of every draft: the sampled ones', one-hot
+        rows at the other drafts (lookups, greedy rows) and zero rows where there
+        is no draft (NO_DRAFT, < 0: vLLM rejects such a pad, and a zero q
+        leaves its recovered token the target's own sample)."""
+        one_hot = ~self.sampled & (drafts >= 0)
         rows, steps = one_hot.nonzero(as_tuple=True)
-        self.probs[rows, steps, drafts[rows, steps].clamp(min=0)] = 1.0
+        self.probs[rows, steps, drafts[rows, steps]] = 1.0
         return self.probs
