@@ -1,6 +1,8 @@
 """Where a decode step's time goes: plain vLLM against speculative configs.
 
-Each engine decodes the benchmark's prompts one at a time while its worker
+Each engine decodes the benchmark's prompts `--batch-size` at a time (1: one
+at a time; 16: a loaded server's batch, every request run to `--max-tokens`
+so the batch stays full) at `--temperature`, while its worker
 times the runner's pieces of every step (`selfspec_time_step_pieces`): the
 forward with its input preparation, sampling, the drafter and bookkeeping.
 A step's wall time comes from the requests' own token timestamps, so what is
@@ -14,6 +16,8 @@ over minutes (docs/results.md), which a one-pass comparison mistakes for a
 method's cost.
 
     python scripts/profile_step.py --methods plain,draft_verify,swift,ngram
+    python scripts/profile_step.py --methods plain,recommended --batch-size 16 \
+        --num-prompts 32 --temperature 0.8
 """
 
 from __future__ import annotations
@@ -31,22 +35,34 @@ from vllm_selfspec.assets import cpu_flags, fast_dtype
 from vllm_selfspec.workers.profiling import DRAFTER_PIECES, RUNNER_PIECES
 
 
+def batch_decode_time(outputs) -> tuple[int, float]:
+    """Tokens after each request's first, and the seconds from the batch's
+    last first token (every prefill done) to its last token."""
+    if len(outputs) == 1:
+        return decode_time(outputs[0])
+    tokens = sum(output.metrics.num_generation_tokens - 1 for output in outputs)
+    return tokens, (max(output.metrics.last_token_ts for output in outputs)
+                    - max(output.metrics.first_token_ts for output in outputs))
+
+
 def profile(model_dir, spec: dict | None, prompts: list[str], engine_args,
-            max_tokens: int, passes: int) -> dict:
+            max_tokens: int, passes: int, batch_size: int = 1,
+            temperature: float = 0.0) -> dict:
     """Per-step milliseconds of each piece, and the step's own, over all
     passes; and each pass's tokens/s and forward, in the order they ran."""
     from vllm import SamplingParams
 
     llm = start(model_dir, spec, engine_args)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                            ignore_eos=batch_size > 1)
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
     runs = []
     for _ in range(passes):
         llm.collective_rpc("selfspec_time_step_pieces", args=(True,))
         tokens, seconds = 0, 0.0
-        for prompt in prompts:
-            decoded, decode_seconds = decode_time(
-                llm.generate([prompt], params, use_tqdm=False)[0])
+        for start_index in range(0, len(prompts), batch_size):
+            decoded, decode_seconds = batch_decode_time(llm.generate(
+                prompts[start_index:start_index + batch_size], params, use_tqdm=False))
             tokens, seconds = tokens + decoded, seconds + decode_seconds
         runs.append((tokens, seconds, llm.collective_rpc("selfspec_time_step_pieces")[0]))
     shutdown(llm)
@@ -78,6 +94,9 @@ def main() -> None:
                         help="decode the prompts this many times per engine; each pass's "
                              "tokens/s and forward time are printed in order, which shows "
                              "an engine whose speed drifts after it starts")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="prompts decoded together (each run to --max-tokens)")
+    parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--name", help="results file stem")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -89,11 +108,12 @@ def main() -> None:
     configs = method_configs(model_dir, engine_args)
     prompts = benchmark_prompts(AutoTokenizer.from_pretrained(model_dir), args.num_prompts)
     results = {name: profile(model_dir, configs[name], prompts, engine_args, args.max_tokens,
-                             args.passes)
+                             args.passes, args.batch_size, args.temperature)
                for name in tqdm(args.methods.split(","), desc="engines", file=CONSOLE)}
     labels = ["step_ms", *RUNNER_PIECES, *(f"drafter.{name}" for name in DRAFTER_PIECES),
               "engine_core_and_messages"]
-    print(f"{args.model} {args.dtype}, batch 1, ms per step (CPU flags: {' '.join(cpu_flags())})")
+    print(f"{args.model} {args.dtype}, batch {args.batch_size}, temperature "
+          f"{args.temperature}, ms per step (CPU flags: {' '.join(cpu_flags())})")
     print(f"{'piece':26}" + "".join(f"{name:>14}" for name in results))
     for label in labels:
         values = [r["step_ms"] if label == "step_ms" else r["pieces_ms"].get(label)
@@ -116,7 +136,8 @@ def main() -> None:
     (RESULTS / f"{name}.json").write_text(json.dumps(
         {"command": command.strip(), "cpu_flags": cpu_flags(), "model": args.model,
          "dtype": args.dtype, "prompts": len(prompts), "max_tokens": args.max_tokens,
-         "passes": args.passes,
+         "passes": args.passes, "batch_size": args.batch_size,
+         "temperature": args.temperature,
          "configs": {n: configs[n] for n in results}, "results": results}, indent=2))
     print(f"saved {RESULTS / name}.json", file=CONSOLE)
 

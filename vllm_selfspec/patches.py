@@ -1,9 +1,10 @@
 """Every vLLM symbol the plugin replaces, with the original kept.
 
-Seventeen attributes, each small and named here, are the whole contact surface
+Eighteen attributes, each small and named here, are the whole contact surface
 (seven run the methods, five keep a round that drafts nothing as cheap as a
 plain step, one gives a step's Python frames room (`workers/frame_stack.py`),
-four count where tokens came from, with two fields added to vLLM dataclasses:
+one lets vLLM-CPU load its compile cache (`workers/compile_cache.py`), four
+count where tokens came from, with two fields added to vLLM dataclasses:
 `token_sources.py`); three more run vLLM's Ray executor on the CPU platform,
 only when `SELFSPEC_RAY_CPU=1` asks for it (`ray_cpu.py`).
 
@@ -39,6 +40,7 @@ class Patch:
     attribute: str
     replacement: str  # "module:function" in this package, imported lazily
     why: str
+    adds: bool = False  # the attribute is added (the owner must not define it)
 
     def target(self) -> Any:
         module = importlib.import_module(self.module)
@@ -138,6 +140,15 @@ PATCHES = (
         "CPU build only: the fallback of the rejection sampler's expand kernel "
         "loses float inputs, so sampling with any speculation was wrong; the CPU "
         "platform registers this function after plugins load",
+    ),
+    Patch(
+        "torch._dynamo.aot_compile_types", "BundledAOTAutogradSerializableCallable",
+        "finalize_loading",
+        "vllm_selfspec.workers.compile_cache:finalize_bundled_loading",
+        "CPU build: vLLM's compile-cache loader calls this on what it loads, which on "
+        "the CPU is torch's callable, not vLLM's; without it every start recompiles "
+        "(minutes on these CPUs, plain vLLM too)",
+        adds=True,
     ),
     # Where tokens came from, per request and on /metrics (token_sources.py).
     Patch(
@@ -261,6 +272,8 @@ def patch_mismatch(patch: Patch) -> str | None:
         return f"{name}: its owner is gone ({error})"
     original = ORIGINALS.get(patch, vars(target).get(patch.attribute, _INHERITED))
     replacement = patch.resolve_replacement()
+    if patch.adds:
+        return None if original is _INHERITED else f"{name}: now defined there"
     if patch.attribute == "__new__":
         if not isinstance(target, type) or original is not _INHERITED:
             return f"{name}: vLLM now defines it"

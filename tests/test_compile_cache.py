@@ -1,0 +1,41 @@
+"""A second start of a compiled engine loads what the first compiled
+(`workers/compile_cache.py`): vLLM-CPU's cache loader failed on every load
+before, so each start compiled for minutes. The target's graph and our
+draft's both load, and the outputs are the first start's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+START = """
+import json, sys
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=512, seed=0,
+          speculative_config={"method": "draft_verify", "num_speculative_tokens": 3,
+                              "attn_skip": [2], "mlp_skip": [], "cost_aware": False})
+(output,) = llm.generate(["def fibonacci(n):"], SamplingParams(
+    temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+print("REPORT", json.dumps(output.outputs[0].token_ids))
+"""
+
+
+def _start(model: str, cache: str) -> tuple[list[int], str]:
+    result = subprocess.run([sys.executable, "-c", START, model], capture_output=True,
+                            text=True, timeout=900,
+                            env={**os.environ, "VLLM_CACHE_ROOT": cache})
+    assert result.returncode == 0, result.stderr[-4000:]
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("REPORT ")]
+    return json.loads(line.removeprefix("REPORT ")), result.stdout + result.stderr
+
+
+def test_a_second_start_loads_the_compiled_graphs(smollm2_first_layers_dir, tmp_path):
+    first_tokens, first_log = _start(str(smollm2_first_layers_dir), str(tmp_path))
+    assert "saved AOT compiled function" in first_log
+    second_tokens, second_log = _start(str(smollm2_first_layers_dir), str(tmp_path))
+    assert "due to a load failure" not in second_log, second_log[-3000:]
+    for tag in ("backbone", "selfspec_draft"):
+        assert f"[{tag}] Directly load AOT compilation" in second_log, tag
+    assert second_tokens == first_tokens
