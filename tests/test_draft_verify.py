@@ -156,10 +156,9 @@ def test_penalties_keep_greedy_parity(skip_set_with_lookup, plain, test_prompts)
 
 
 @pytest.mark.parametrize("sampling", [
-    {"top_k": 20, "top_p": 0.9},
-    {"repetition_penalty": 1.3, "frequency_penalty": 0.3},
+    {"top_k": 20, "top_p": 0.9, "repetition_penalty": 1.3, "frequency_penalty": 0.3},
     {"n": 2},
-], ids=["top_k_top_p", "penalties", "n_2"])
+], ids=["top_k_top_p_penalties", "n_2"])
 def test_sampling_options_keep_the_target_distribution(skip_set_with_lookup, plain,
                                                        sampling):
     assert_same_sampling_distribution(skip_set_with_lookup, plain, after_rejections=True,
