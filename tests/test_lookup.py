@@ -68,8 +68,9 @@ def test_a_copying_request_drafts_from_its_own_text(skip_set_with_lookup, plain)
 
 
 def test_a_request_without_repeats_self_drafts(skip_set_with_lookup, plain):
-    """Every round drafts (the test engines draft whatever it costs) and none
-    finds a match, so every draft is a self-draft."""
+    """Rounds draft (the test engines draft whatever it costs; this skip set
+    stops a round's drafts early where the draft is unsure) and none finds a
+    match, so every draft is a self-draft."""
     prompt = "Name a colour:"
     acceptance = Acceptance()
     (text,) = greedy(skip_set_with_lookup, [prompt], 1, max_tokens=12,
@@ -78,4 +79,4 @@ def test_a_request_without_repeats_self_drafts(skip_set_with_lookup, plain):
     sources = acceptance.sources
     assert sources["lookup_rounds"] == 0, sources
     assert sources["self_rounds"] >= 3, sources
-    assert sources["self_drafted"] == acceptance.drafted >= 3 * 4, (sources, acceptance)
+    assert sources["self_drafted"] == acceptance.drafted >= 3, (sources, acceptance)

@@ -63,6 +63,25 @@ def test_completion_and_chat_equal_plain_vllm(server, model_dir, plain_answers):
     assert chat["choices"][0]["message"]["content"] == plain_answers["chat"]
 
 
+def test_eight_clients_at_once_get_plain_vllms_answers(server, model_dir, plain_outputs,
+                                                       test_prompts):
+    """Eight requests in flight together (the server's whole batch: rounds
+    verify drafts of several requests at once, long prompts prefill in chunks
+    beside decodes), each answered token for token as plain vLLM answers it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.conftest import PARITY_TOKENS
+
+    def complete(prompt: str) -> str:
+        return requests.post(f"{server.url}/v1/completions", json={
+            "model": str(model_dir), "prompt": prompt, "max_tokens": PARITY_TOKENS,
+            "temperature": 0, "ignore_eos": True}, timeout=300).json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(complete, test_prompts[:8]))
+    assert answers == plain_outputs[8][:8]
+
+
 def test_streaming_assembles_to_plain_vllm(server, model_dir, plain_answers):
     import json
 
