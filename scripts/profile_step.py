@@ -27,7 +27,7 @@ import json
 import os
 from types import SimpleNamespace
 
-from benchmark import (CONSOLE, RESULTS, ROOT, benchmark_prompts, decode_time,
+from benchmark import (CONSOLE, RESULTS, ROOT, benchmark_prompts,
                        method_configs, shutdown, start)
 from tqdm import tqdm
 
@@ -37,9 +37,8 @@ from vllm_selfspec.workers.profiling import DRAFTER_PIECES, RUNNER_PIECES
 
 def batch_decode_time(outputs) -> tuple[int, float]:
     """Tokens after each request's first, and the seconds from the batch's
-    last first token (every prefill done) to its last token."""
-    if len(outputs) == 1:
-        return decode_time(outputs[0])
+    last first token (every prefill done) to its last token; for one request,
+    its decode time."""
     tokens = sum(output.metrics.num_generation_tokens - 1 for output in outputs)
     return tokens, (max(output.metrics.last_token_ts for output in outputs)
                     - max(output.metrics.first_token_ts for output in outputs))
