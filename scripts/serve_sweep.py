@@ -1,13 +1,15 @@
 """Speculation under serving load, measured the ecosystem's way.
 
-For each engine start, every setting gets its own real `vllm serve` in turn
-(plain vLLM first and last, bracketing the others on the same drifting
-machine), and vLLM's own harness, `vllm bench serve
+For each engine start, every setting gets its own real `vllm serve` in turn,
+with a plain vLLM server before the first start and after each one
+(plain, A, B, plain, A, B, plain, ...: every start bracketed by plain servers
+on the same drifting machine), and vLLM's own harness, `vllm bench serve
 --max-concurrency C`, runs the same chat prompts at every concurrency and
 temperature against it. Per (setting, concurrency, temperature) it keeps output
 tokens/s, median and p99 TPOT and TTFT, vLLM's acceptance counters and the
 share of request-rounds that drafted (`vllm:selfspec_rounds_total`, ours
-only); ratios are over the geometric mean of the plain servers around it, and
+only); ratios are over the geometric mean of the two plain servers around
+its start, and
 each figure over starts is their geometric mean with the spread.
 
     python scripts/serve_sweep.py                                   # SmolLM2, the default grid
@@ -146,12 +148,14 @@ def geomean(values: list[float]) -> float:
 
 def ratios(rows: list[dict]) -> dict[tuple[str, int, float], list[float]]:
     """Each setting's throughput over the geometric mean of the plain servers
-    run first and last in the same start, per start."""
+    run just before and just after its start (plain's `start` s and s + 1),
+    per start."""
     found: dict[tuple[str, int, float], list[float]] = {}
     for row in rows:
         if row["setting"] == "plain":
             continue
-        plain = [r for r in rows if r["setting"] == "plain" and r["start"] == row["start"]
+        plain = [r for r in rows if r["setting"] == "plain"
+                 and r["start"] in (row["start"], row["start"] + 1)
                  and r["concurrency"] == row["concurrency"]
                  and r["temperature"] == row["temperature"]]
         key = (row["setting"], row["concurrency"], row["temperature"])
@@ -259,16 +263,17 @@ def main() -> None:
     others = [s for s in args.settings if s != "plain"]
     rows: list[dict] = []
     per_server = len(args.concurrency) * len(args.temperatures)
-    with tqdm(total=args.starts * (len(others) + 2) * per_server if others
-              else args.starts * per_server, desc="bench runs") as progress:
-        for start in range(args.starts):
-            order = ["plain", *others, "plain"] if others else ["plain"]
-            for name in order:
-                progress.set_postfix_str(f"start {start + 1}: {name}")
-                rows += measure(name, known[name], model_dir, prompts, args, start, progress)
-                (RESULTS / f"{args.name}.json").write_text(json.dumps(
-                    {"argv": sys.argv, "cpu_flags": cpu_flags(), "dtype": args.dtype,
-                     "rows": rows}, indent=1))
+    # (setting, start); plain's server s is the one just before start s's others.
+    order = [("plain", start) for start in range(args.starts if not others else 1)]
+    for start in range(args.starts if others else 0):
+        order += [(name, start) for name in others] + [("plain", start + 1)]
+    with tqdm(total=len(order) * per_server, desc="bench runs") as progress:
+        for name, start in order:
+            progress.set_postfix_str(f"start {start + 1}: {name}")
+            rows += measure(name, known[name], model_dir, prompts, args, start, progress)
+            (RESULTS / f"{args.name}.json").write_text(json.dumps(
+                {"argv": sys.argv, "cpu_flags": cpu_flags(), "dtype": args.dtype,
+                 "rows": rows}, indent=1))
     report = table(rows, args)
     (RESULTS / f"{args.name}.md").write_text(report)
     plot(rows, args, RESULTS / f"{args.name}.png")

@@ -56,11 +56,14 @@ from vllm_selfspec.workers.draft_sampling import DraftSampler
 from vllm_selfspec.workers.draft_payoff import (
     AcceptanceRecords,
     ForwardTimes,
+    GoodputGate,
     RoundClock,
     StepCosts,
+    batch_bucket,
     batch_steps,
     costs_for,
     probe_interval,
+    reopen_interval,
 )
 from vllm_selfspec.workers.draft_weights import DraftWeights
 
@@ -187,6 +190,9 @@ class SelfSpecProposer(DraftModelProposer):
         self._previous_round: RoundTiming | None = None
         self.forward_times: ForwardTimes | None = None  # profiling mode, at start-up
         self.shared_costs: dict[int, StepCosts] = {}  # per batch size, rank 0's
+        # Whether drafting rounds pay, measured; rank 0's closed buckets, shared.
+        self.gate = GoodputGate()
+        self.shared_closed: dict[int, float] = {}
         self._round_costs: tuple[int, StepCosts | None | bool] | None = None  # (round, costs)
         self._early: tuple[float, DraftDecision] | None = None  # (started, decided to draft)
         self._held_requests = 0  # requests vLLM held when state was last pruned
@@ -363,8 +369,11 @@ class SelfSpecProposer(DraftModelProposer):
         a forward that verified drafts (their feedback comes first) or with
         lookup (it needs the sampled tokens): `propose` decides."""
         self._early = None  # a decision is for its own round only
-        if self.options.lookup is not None or spec_decode_metadata is not None:
-            return False  # lookup, or drafts were verified: feedback first
+        if spec_decode_metadata is not None:
+            return False  # drafts were verified: feedback first
+        if self.options.lookup is not None and not self._closed(
+                len(self.runner.input_batch.req_ids), self.counters.rounds + 1):
+            return False  # lookup needs the sampled tokens: `propose` decides
         if self._repeat_decline(num_tokens):
             return True
         started = time.perf_counter()
@@ -431,6 +440,8 @@ class SelfSpecProposer(DraftModelProposer):
             verified, self._verified_drafts = self._verified_drafts, None
             self._start_round(req_ids, verified, target_token_ids.shape[0], started)
             accepted_now = self._take_feedback(req_ids, verified, num_rejected_tokens_gpu)
+            self._score_previous_round(req_ids, verified, target_token_ids.shape[0],
+                                       started, accepted_now)
             may_draft = self._may_draft(req_ids)
             costs = (self._timed_costs(req_ids, num_speculative_tokens)
                      if self.options.lookup is not None else None)
@@ -692,14 +703,44 @@ class SelfSpecProposer(DraftModelProposer):
         # on every rank; only rank 0's timings are used.
         ready = self.clock.plain_rounds() >= PLAIN_ROUNDS_FIRST
         if ready and (rounds % SHARE_EVERY == 0 or not self.shared_costs):
-            costs = self.clock.costs(self.prior_at) if tp.rank_in_group == 0 else None
-            self.shared_costs = tp.broadcast_object(costs, src=0)
+            shared = ((self.clock.costs(self.prior_at), self.gate.closed())
+                      if tp.rank_in_group == 0 else None)
+            self.shared_costs, self.shared_closed = tp.broadcast_object(shared, src=0)
+        if self._closed(batch_size, rounds):
+            return None
         if not self.shared_costs:
             return self.prior_at(batch_size) if rounds >= NOT_STEADY_ROUNDS else None
         if (rounds % SHARE_EVERY == 1
                 and self.clock.fresh_plain_rounds(rounds) < PLAIN_ROUNDS_FIRST):
             return None  # the newest plain times are stale
         return costs_for(self.shared_costs, batch_size)
+
+    def _closed(self, batch_size: int, rounds: int) -> bool:
+        """Round `rounds` drafts nothing: cost-aware, its batch's bucket is
+        closed (its drafting rounds were measured slower than plain ones) and
+        this is not one of the bucket's tries (`reopen_interval`)."""
+        ratio = self.shared_closed.get(batch_bucket(batch_size))
+        return (bool(self.options.cost_aware) and ratio is not None
+                and rounds % reopen_interval(ratio, self.options.probe_every,
+                                             PROBE_SHARE) != 0)
+
+    def _score_previous_round(self, req_ids: list[str], verified: list[int] | None,
+                              num_tokens: int, started: float,
+                              accepted_now: dict[str, int]) -> None:
+        """Score the round that just ended in the goodput gate, if it verified
+        drafts and was steady (the same requests as the one before, no prefill
+        in the forward) and a plain round of its batch is timed: from the start
+        of its drafting to now, it yielded each request's token and the drafts
+        accepted."""
+        previous = self._previous_round
+        drafts_verified = sum(verified or ())
+        if (drafts_verified == 0 or previous is None or previous.req_ids != req_ids
+                or num_tokens != len(req_ids) + drafts_verified):
+            return
+        plain = self.clock.plain_seconds_at(len(req_ids))
+        if plain is not None:
+            self.gate.record(len(req_ids), len(req_ids) + sum(accepted_now.values()),
+                             started - previous.started, plain)
 
     def _time_previous_round(self, req_ids: list[str], verified: list[int] | None,
                              num_tokens: int, started: float) -> None:

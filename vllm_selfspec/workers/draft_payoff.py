@@ -43,8 +43,17 @@ a bucket with no plain step timed yet, a round drafts nothing, so one is
 timed. Lookup drafts run no draft step: rounds whose drafts were all looked up
 time 1 + F_l + n v plain steps for n looked-up tokens, which give a looked-up
 token's cost v and a lookup round's fixed extra F_l (`fit_lookup_costs`).
+The costs are a model, and a loaded batch is where it errs most (a
+verification's attention and the rejection sampler over the batch are in no
+start-up forward time; a round that both self-drafts and looks up is timed as
+neither). So every round that verified drafts is also scored by what it
+yielded per second against a plain round (`GoodputGate`), per batch-size
+bucket; a bucket whose drafting rounds were slower than plain ones drafts
+nothing, except for a try every so many rounds (at most 1 % of decoding), so
+it reopens when drafting pays again there.
 Every input of a decision is the same on every tensor-parallel rank (the
-proposer shares rank 0's costs), so every rank decides the same.
+proposer shares rank 0's costs and closed buckets), so every rank decides the
+same.
 """
 
 from __future__ import annotations
@@ -358,6 +367,13 @@ class RoundClock:
         return statistics.median(seconds for round_index, seconds in self.plain[key]
                                  if newest - round_index < self.horizon)
 
+    def plain_seconds_at(self, batch_size: int) -> float | None:
+        """Median plain round at the nearest batch size measured in the same
+        bucket (`batch_bucket`); None where none is."""
+        key = _nearest([size for size in self.plain
+                        if batch_bucket(size) == batch_bucket(batch_size)], batch_size)
+        return None if key is None else self.plain_seconds(key)
+
     def costs(self, prior: StepCosts | Callable[[int], StepCosts],
               min_samples: int = 3) -> dict[int, StepCosts]:
         """Costs per batch size with a plain time; the stand-in `prior`'s (one
@@ -455,6 +471,59 @@ def fit_lookup_costs(drafts: list[int], extra: list[float], costs: StepCosts) ->
     if line is None or line[0] <= 0:
         return costs
     return dataclasses.replace(costs, per_verified=line[0], lookup_overhead=line[1])
+
+
+@dataclass
+class GoodputGate:
+    """Whether the rounds that verify drafts pay, measured, per batch-size
+    bucket (`batch_bucket`): the costs above are a model, and a model's error
+    at a loaded batch (a verification's attention, the rejection sampler over
+    the batch, a draft step over every row) can make it draft where drafting
+    loses. Each timed round that verified drafts is scored by what throughput
+    pays: its tokens (each request's sampled token plus its accepted drafts)
+    per second of the round, over a plain round's at its batch size. A
+    bucket's score is the ratio of running sums of those tokens (in plain
+    rounds' worth) and of those seconds, a round weighing `weight` of it
+    (all rounds alike until there are 1 / weight of them). A bucket scored
+    over `min_rounds` rounds below 1 is closed: its rounds draft nothing,
+    except one in `reopen_interval` rounds, which drafts as decided and is
+    scored too, so a bucket whose drafting turns profitable (texts, load)
+    reopens."""
+
+    weight: float = 0.25
+    min_rounds: int = 4
+    tokens: dict[int, float] = field(default_factory=dict)  # in plain rounds' worth
+    seconds: dict[int, float] = field(default_factory=dict)
+    rounds: dict[int, int] = field(default_factory=dict)
+
+    def record(self, batch_size: int, tokens: int, seconds: float,
+               plain_seconds: float) -> None:
+        """A round of `batch_size` requests that yielded `tokens` in `seconds`,
+        where a plain round of that batch takes `plain_seconds`."""
+        bucket = batch_bucket(batch_size)
+        count = self.rounds.get(bucket, 0) + 1
+        weight = max(self.weight, 1.0 / count)
+        worth = tokens / batch_size * plain_seconds
+        self.tokens[bucket] = (1 - weight) * self.tokens.get(bucket, 0.0) + weight * worth
+        self.seconds[bucket] = (1 - weight) * self.seconds.get(bucket, 0.0) + weight * seconds
+        self.rounds[bucket] = count
+
+    def ratios(self) -> dict[int, float]:
+        """Each scored bucket's drafting rounds' throughput over plain's."""
+        return {bucket: self.tokens[bucket] / self.seconds[bucket] for bucket in self.rounds
+                if self.seconds[bucket] > 0}
+
+    def closed(self) -> dict[int, float]:
+        """The buckets whose drafting loses, with their ratio (< 1)."""
+        return {bucket: ratio for bucket, ratio in self.ratios().items()
+                if ratio < 1.0 and self.rounds[bucket] >= self.min_rounds}
+
+
+def reopen_interval(ratio: float, least: int, max_share: float) -> int:
+    """Rounds between a closed bucket's tries: a try costs about 1 / ratio - 1
+    plain rounds more than a plain round, so tries at this spacing cost at most
+    `max_share` of decoding (and come at least `least` rounds apart)."""
+    return max(least, math.ceil((1.0 / max(ratio, 1e-3) - 1.0) / max_share))
 
 
 def batch_bucket(batch_size: int) -> int:

@@ -225,10 +225,12 @@ class SelfSpecWorkerExtension:
         """The engine's timed rounds (plain, drafted and looked-up, seconds,
         per batch size), what is timed at start-up where it can be (the
         forward times behind the stand-in costs; DEL's step overhead) and the costs the budget
-        uses now."""
+        uses now, and the goodput gate's measured ratios per batch bucket
+        (drafting rounds' throughput over plain's) with the closed ones."""
         drafter = self.model_runner.drafter
         return {**drafter.clock.samples(), **drafter.timed_at_start_up(),
-                "shared": {b: vars(c) for b, c in drafter.shared_costs.items()}}
+                "shared": {b: vars(c) for b, c in drafter.shared_costs.items()},
+                "goodput": {"ratios": drafter.gate.ratios(), "closed": drafter.shared_closed}}
 
     def selfspec_time_step_pieces(self, start: bool = False) -> dict | None:
         """Calls and seconds of each timed piece of the runner's steps since
