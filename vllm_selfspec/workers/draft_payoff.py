@@ -48,8 +48,8 @@ verification's attention and the rejection sampler over the batch are in no
 start-up forward time; a round that both self-drafts and looks up is timed as
 neither). So every round that verified drafts is also scored by what it
 yielded per second against a plain round (`GoodputGate`), per batch-size
-bucket; a bucket whose drafting rounds were slower than plain ones drafts
-nothing, except for a try every so many rounds (at most 1 % of decoding), so
+bucket; a bucket whose drafting rounds were not 5 % faster than plain ones
+drafts nothing, except for a try every so many rounds (at most 1 % of decoding), so
 it reopens when drafting pays again there.
 Every input of a decision is the same on every tensor-parallel rank (the
 proposer shares rank 0's costs and closed buckets), so every rank decides the
@@ -485,13 +485,16 @@ class GoodputGate:
     bucket's score is the ratio of running sums of those tokens (in plain
     rounds' worth) and of those seconds, a round weighing `weight` of it
     (all rounds alike until there are 1 / weight of them). A bucket scored
-    over `min_rounds` rounds below 1 is closed: its rounds draft nothing,
+    over `min_rounds` rounds below 1 + `margin` is closed (drafting there must
+    beat plain by the margin budgets ask for, so a bucket near 1 does not
+    flip between drafting at a loss and not): its rounds draft nothing,
     except one in `reopen_interval` rounds, which drafts as decided and is
     scored too, so a bucket whose drafting turns profitable (texts, load)
     reopens."""
 
     weight: float = 0.25
     min_rounds: int = 4
+    margin: float = 0.05
     tokens: dict[int, float] = field(default_factory=dict)  # in plain rounds' worth
     seconds: dict[int, float] = field(default_factory=dict)
     rounds: dict[int, int] = field(default_factory=dict)
@@ -514,9 +517,9 @@ class GoodputGate:
                 if self.seconds[bucket] > 0}
 
     def closed(self) -> dict[int, float]:
-        """The buckets whose drafting loses, with their ratio (< 1)."""
+        """The buckets whose drafting does not pay, with their ratio."""
         return {bucket: ratio for bucket, ratio in self.ratios().items()
-                if ratio < 1.0 and self.rounds[bucket] >= self.min_rounds}
+                if ratio < 1.0 + self.margin and self.rounds[bucket] >= self.min_rounds}
 
 
 def reopen_interval(ratio: float, least: int, max_share: float) -> int:
