@@ -264,9 +264,12 @@ def main() -> None:
     rows: list[dict] = []
     per_server = len(args.concurrency) * len(args.temperatures)
     # (setting, start); plain's server s is the one just before start s's others.
-    order = [("plain", start) for start in range(args.starts if not others else 1)]
-    for start in range(args.starts if others else 0):
-        order += [(name, start) for name in others] + [("plain", start + 1)]
+    if others:
+        order = [("plain", 0)]
+        for start in range(args.starts):
+            order += [(name, start) for name in others] + [("plain", start + 1)]
+    else:
+        order = [("plain", start) for start in range(args.starts)]
     with tqdm(total=len(order) * per_server, desc="bench runs") as progress:
         for name, start in order:
             progress.set_postfix_str(f"start {start + 1}: {name}")

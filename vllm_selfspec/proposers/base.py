@@ -717,8 +717,9 @@ class SelfSpecProposer(DraftModelProposer):
 
     def _closed(self, batch_size: int, rounds: int) -> bool:
         """Round `rounds` drafts nothing: cost-aware, its batch's bucket is
-        closed (its drafting rounds were measured slower than plain ones) and
-        this is not one of the bucket's tries (`reopen_interval`)."""
+        closed (its drafting rounds were not measured to beat plain ones by the
+        gate's margin) and this is not one of the bucket's tries
+        (`reopen_interval`)."""
         ratio = self.shared_closed.get(batch_bucket(batch_size))
         return (bool(self.options.cost_aware) and ratio is not None
                 and rounds % reopen_interval(ratio, self.options.probe_every,
@@ -732,25 +733,32 @@ class SelfSpecProposer(DraftModelProposer):
         in the forward) and a plain round of its batch is timed: from the start
         of its drafting to now, it yielded each request's token and the drafts
         accepted."""
-        previous = self._previous_round
-        drafts_verified = sum(verified or ())
-        if (drafts_verified == 0 or previous is None or previous.req_ids != req_ids
-                or num_tokens != len(req_ids) + drafts_verified):
+        previous = self._steady_previous_round(req_ids, verified, num_tokens)
+        if previous is None or not sum(verified or ()):
             return
         plain = self.clock.plain_seconds_at(len(req_ids))
         if plain is not None:
             self.gate.record(len(req_ids), len(req_ids) + sum(accepted_now.values()),
                              started - previous.started, plain)
 
+    def _steady_previous_round(self, req_ids: list[str], verified: list[int] | None,
+                               num_tokens: int) -> RoundTiming | None:
+        """The round that just ended, if it was steady: the same requests as
+        the one before, and a forward of one token per request plus the
+        drafts it verified (no prefill)."""
+        previous = self._previous_round
+        if (previous is None or previous.req_ids != req_ids
+                or num_tokens != len(req_ids) + sum(verified or ())):
+            return None
+        return previous
+
     def _time_previous_round(self, req_ids: list[str], verified: list[int] | None,
                              num_tokens: int, started: float) -> None:
-        """Time the round that just ended into the clock, if it was steady:
-        the same requests as the one before and no prefill in the forward."""
-        previous = self._previous_round
-        drafts_verified = sum(verified or ())
-        if (previous is None or previous.req_ids != req_ids
-                or num_tokens != len(req_ids) + drafts_verified):
+        """Time the round that just ended into the clock, if it was steady."""
+        previous = self._steady_previous_round(req_ids, verified, num_tokens)
+        if previous is None:
             return
+        drafts_verified = sum(verified or ())
         if drafts_verified > 0 and previous.looked_up and previous.steps == 0:
             self.clock.record_looked_up(len(req_ids), drafts_verified, started - previous.started,
                                         self.counters.rounds)

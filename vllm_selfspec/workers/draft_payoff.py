@@ -370,8 +370,7 @@ class RoundClock:
     def plain_seconds_at(self, batch_size: int) -> float | None:
         """Median plain round at the nearest batch size measured in the same
         bucket (`batch_bucket`); None where none is."""
-        key = _nearest([size for size in self.plain
-                        if batch_bucket(size) == batch_bucket(batch_size)], batch_size)
+        key = _nearest_in_bucket(self.plain, batch_size)
         return None if key is None else self.plain_seconds(key)
 
     def costs(self, prior: StepCosts | Callable[[int], StepCosts],
@@ -540,9 +539,14 @@ def batch_bucket(batch_size: int) -> int:
 def costs_for(costs: dict[int, StepCosts], batch_size: int) -> StepCosts | None:
     """The costs measured at the batch size nearest `batch_size` within its
     bucket (`batch_bucket`); None when none was timed there."""
-    key = _nearest([size for size in costs if batch_bucket(size) == batch_bucket(batch_size)],
-                   batch_size)
+    key = _nearest_in_bucket(costs, batch_size)
     return None if key is None else costs[key]
+
+
+def _nearest_in_bucket(sizes, batch_size: int) -> int | None:
+    """The batch size of `sizes` nearest `batch_size` within its bucket."""
+    return _nearest([size for size in sizes if batch_bucket(size) == batch_bucket(batch_size)],
+                    batch_size)
 
 
 def _nearest(sizes, batch_size: int) -> int | None:
