@@ -73,11 +73,13 @@ def del_config(args) -> dict:
     return {"method": "del", "exit_layer_stride": 2}
 
 
-# The target as its own draft, 4 tokens every round (no exit threshold, no
-# cost-aware budget): what a full-depth draft costs (c) and how often a
-# low-precision one agrees with the target.
+# The target as its own draft over its own weights and whole vocabulary, 4
+# tokens every round (no exit threshold, no cost-aware budget, no lookups):
+# what a full-depth draft costs (c) and how often a low-precision one agrees
+# with the target.
 FULL_DEPTH = {"method": "draft_verify", "num_speculative_tokens": 4,
-              "adaptive_threshold": False, "threshold": 0.0, "cost_aware": False}
+              "adaptive_threshold": False, "threshold": 0.0, "cost_aware": False,
+              "draft_precision": "target", "draft_vocab": "full", "lookup": False}
 
 
 # A second plain engine under another name: how far two identical engines'
@@ -120,19 +122,20 @@ def recommended_config(model: str) -> dict:
 def cheap_draft_configs(args) -> dict[str, dict]:
     """The full-depth self-draft at each draft precision, with and without the
     model's draft vocabulary (int4 only where activations are bf16), and every
-    method with int8 weights and the vocabulary (`<method>_int8_vocab`)."""
+    method with int8 weights and the vocabulary but no lookups
+    (`<method>_int8_vocab`)."""
     vocab = args.model if (CONFIGS_DIR / "vocab" / f"{args.model}.json").exists() else None
-    precisions = ["auto", "int8"] + (["int4"] if args.dtype == "bfloat16" else [])
+    precisions = ["target", "int8"] + (["int4"] if args.dtype == "bfloat16" else [])
     full_depth = FULL_DEPTH
     configs = {}
     for precision in precisions:
         for subset in ([None, vocab] if vocab else [None]):
-            if precision == "auto" and subset is None:
+            if precision == "target" and subset is None:
                 continue  # draft_verify_full_depth
             name = f"full_depth_{precision}" + ("_vocab" if subset else "")
             configs[name] = {**full_depth, "draft_precision": precision,
                              **({"draft_vocab": subset} if subset else {})}
-    cheap = {"draft_precision": "int8", **({"draft_vocab": vocab} if vocab else {})}
+    cheap = {"draft_precision": "int8", "draft_vocab": vocab or "full", "lookup": False}
     for method in ("draft_verify", "adadecode", "del", "swift"):
         base = {"method": "draft_verify", "config_file": args.model} if (
             method == "draft_verify") else configs_for_method(method, args)

@@ -51,20 +51,21 @@ SUFFIX = {"method": "suffix"}
 
 
 def settings_for(model: str) -> dict[str, dict | None]:
-    """Every setting the sweep knows, by name."""
+    """Every setting the sweep knows, by name; each method at its defaults
+    (the shipped vocabulary and heads are found by the model's weights)."""
     vocab = {"draft_vocab": model} if (CONFIGS_DIR / "vocab" / f"{model}.json").exists() else {}
-    heads = {"heads": model} if (CONFIGS_DIR / "heads" / model).exists() else {}
     return {
         "plain": None,
         "ngram": NGRAM,
         "ngram_dynamic": NGRAM_DYNAMIC,
         "suffix": SUFFIX,
+        # draft_verify's defaults, spelled out as the README's table has them.
         "recommended": {"method": "draft_verify", "draft_precision": "int8", **vocab,
                         "lookup": {}},
         "draft_verify": {"method": "draft_verify"},
         "swift": {"method": "swift"},
-        "del": {"method": "del", **heads},
-        "adadecode": {"method": "adadecode", **heads},
+        "del": {"method": "del"},
+        "adadecode": {"method": "adadecode"},
     }
 
 

@@ -233,20 +233,31 @@ def prompts_at(test_prompts: list[str], batch_size: int) -> list[str]:
     return [*test_prompts[:14 if batch_size > 1 else 4], *test_prompts[-2:]]
 
 
-def forced(spec: dict) -> dict:
+# The draft base every method's own tests pin: the target's own weights, its
+# whole vocabulary, no lookups, so a test sees its mechanism alone. The
+# defaults (an int8 copy, the shipped vocabulary, lookups) are tested in
+# test_cheap_drafts.py and test_config.py.
+EXACT_DRAFT = {"draft_precision": "target", "draft_vocab": "full", "lookup": False}
+
+
+def forced(spec: dict, exact_draft: bool = True) -> dict:
     """`spec` drafting every round: test engines check drafting itself, which
     cost-aware budgets would often turn off on this CPU (a test that wants
-    them says `cost_aware: True`)."""
+    them says `cost_aware: True`); over EXACT_DRAFT unless `exact_draft` is
+    False. Keys `spec` gives win."""
     from vllm_selfspec.config import METHOD_MODULES
 
-    return {"cost_aware": False, **spec} if spec.get("method") in METHOD_MODULES else spec
+    if spec.get("method") not in METHOD_MODULES:
+        return spec
+    return {"cost_aware": False, **(EXACT_DRAFT if exact_draft else {}), **spec}
 
 
-def start_engine(speculative_config: dict | None = None, **overrides):
+def start_engine(speculative_config: dict | None = None, exact_draft: bool = True,
+                 **overrides):
     from vllm import LLM
 
     if speculative_config is not None:
-        speculative_config = forced(speculative_config)
+        speculative_config = forced(speculative_config, exact_draft)
         overrides.setdefault("per_request_spec_decode_metrics", "summary")
     return LLM(**{**ENGINE_DEFAULTS, **overrides}, speculative_config=speculative_config)
 

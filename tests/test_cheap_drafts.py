@@ -1,7 +1,9 @@
-"""Cheap drafts on the real engine: every method drafting through an int8 copy
-of the target's weights and the shipped reduced-vocabulary head stays
-lossless (greedy at batch 1 and 8, and sampling for the recommended setting),
-and the copy is really there."""
+"""Every method at its defaults, on the real engine: given nothing but its
+name, each drafts through an int8 copy of the target's weights, the
+vocabulary and heads shipped for the model, and lookups first, and stays
+lossless (greedy at batch 1 and 8, and sampling for the recommended setting);
+the copy is really there. Drafting is forced (`cost_aware: false`) so that
+every round drafts."""
 
 from __future__ import annotations
 
@@ -13,23 +15,12 @@ from tests.conftest import (
     start_engine,
     stop_engine,
 )
-from vllm_selfspec.config import CONFIGS_DIR
+from vllm_selfspec.config import CONFIGS_DIR, METHOD_MODULES
 from vllm_selfspec.workers.profiling import WORKER_EXTENSION
 
-CHEAP = {"draft_precision": "int8", "draft_vocab": "smollm2-135m"}
-# The recommended setting first (full depth, the README's one short config),
-# then each method as its own tests run it.
-METHODS = {
-    "draft_verify": {"method": "draft_verify", "num_speculative_tokens": 4},
-    "adadecode": {"method": "adadecode", "heads": "smollm2-135m", "threshold": 0.4},
-    "del": {"method": "del", "heads": "smollm2-135m-del"},
-    "swift": {"method": "swift", "context_window": 8, "bayes_interval": 5},
-}
-
-
-@pytest.fixture(scope="module", params=list(METHODS))
+@pytest.fixture(scope="module", params=list(METHOD_MODULES))
 def cheap(request):
-    llm = start_engine({**METHODS[request.param], **CHEAP},
+    llm = start_engine({"method": request.param}, exact_draft=False,
                        worker_extension_cls=WORKER_EXTENSION)
     llm.method = request.param
     yield llm
@@ -74,5 +65,5 @@ def test_greedy_output_identical_to_plain_vllm(cheap, plain_outputs, test_prompt
 
 @pytest.mark.parametrize("cheap", ["draft_verify"], indirect=True)
 def test_sampling_keeps_the_target_distribution(cheap, plain):
-    """The recommended setting's (one method family with both levers on)."""
+    """Draft & Verify at its defaults is the recommended setting."""
     assert_same_sampling_distribution(cheap, plain)

@@ -15,7 +15,9 @@ import json, sys
 from vllm import LLM, SamplingParams
 llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=512, seed=0,
           speculative_config={"method": "draft_verify", "num_speculative_tokens": 3,
-                              "attn_skip": [2], "mlp_skip": [], "cost_aware": False})
+                              "attn_skip": [2], "mlp_skip": [], "cost_aware": False,
+                              "draft_precision": "target", "draft_vocab": "full",
+                              "lookup": False})
 (output,) = llm.generate(["def fibonacci(n):"], SamplingParams(
     temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
 print("REPORT", json.dumps(output.outputs[0].token_ids))

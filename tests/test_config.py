@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from vllm.engine.arg_utils import EngineArgs
@@ -24,6 +25,8 @@ def engine_config(model, speculative_config, **kwargs):
         ({"method": "dell"}, r"speculative_config\.method: unknown method 'dell'"),
         ({"method": "draft_verify", "attn_skipp": [1]},
          r"unknown key\(s\) \['attn_skipp'\]"),
+        ({"method": "draft_verify", "defaults": {}},  # a class attribute, not a key
+         r"unknown key\(s\) \['defaults'\]"),
         ({"method": "draft_verify", "attn_skip": [3, 30]},
          r"speculative_config\.attn_skip: layer indices \[30\] are out of range"),
         ({"method": "draft_verify", "mlp_skip": [-1]},
@@ -38,17 +41,17 @@ def engine_config(model, speculative_config, **kwargs):
          r"speculative_config\.config_file: no file 'no-such-file'"),
         ({"method": "del", "draft_precision": "fp3"},
          r"speculative_config\.draft_precision: 'fp3' is not supported; use one of"),
-        ({"method": "adadecode", "heads": "smollm2-135m", "draft_precision": "bf16"},
-         r"draft_precision: 'bf16' drafts with the target's own bf16 weights, but the "
-         r"target runs in torch\.float32"),
+        ({"method": "adadecode", "heads": "none"},
+         r"speculative_config\.heads: adadecode needs trained exit heads, not 'none'; "
+         r"train them with `python scripts/train_exit_heads\.py"),
         ({"method": "swift", "draft_precision": "int4"},
          r"draft_precision: 'int4' \(W4A16\) needs bf16 or fp16 activations"),
         ({"method": "draft_verify", "draft_vocab": "nope"},
          r"speculative_config\.draft_vocab: no file 'nope'"),
         ({"method": "draft_verify", "draft_vocab": 10**6},
          r"speculative_config\.draft_vocab_size: 1000000 is outside 1\.\.32768"),
-        ({"method": "draft_verify", "draft_vocab_size": 100},
-         r"speculative_config\.draft_vocab_size: needs draft_vocab"),
+        ({"method": "draft_verify", "draft_vocab": "full", "draft_vocab_size": 100},
+         r"speculative_config\.draft_vocab_size: draft_vocab 'full' keeps every token"),
         ({"method": "draft_verify", "lookup": {"max_tokens": 0}},
          r"speculative_config\.lookup: max_tokens 0 must be >= 1"),
         ({"method": "draft_verify", "lookup": {"min": 2}},
@@ -105,6 +108,46 @@ def test_skip_set_enters_the_compile_hash(model_dir):
     first = engine_config(model_dir, {"method": "draft_verify", "attn_skip": [4]})
     second = engine_config(model_dir, {"method": "draft_verify", "attn_skip": [5]})
     assert first.compute_hash() != second.compute_hash()
+
+
+@pytest.mark.parametrize("method", ["draft_verify", "swift", "del", "adadecode"])
+def test_a_method_by_its_name_gets_the_cheap_draft_and_the_shipped_assets(model_dir,
+                                                                          method):
+    """Nothing but `method`: an int8 copy (on a CPU), the model's shipped
+    vocabulary and heads found by its weights, lookups first."""
+    from vllm_selfspec.workers.lookup import LOOKUP_DEFAULTS
+
+    spec = engine_config(model_dir, {"method": method}).speculative_config
+    assert spec.draft_precision == "int8"
+    assert spec.draft_vocab == str(CONFIGS_DIR / "vocab" / "smollm2-135m.json")
+    assert spec.draft_vocab_size == json.loads(Path(spec.draft_vocab).read_text())["size"]
+    assert spec.lookup == LOOKUP_DEFAULTS
+    shipped_heads = {"del": "smollm2-135m-del", "adadecode": "smollm2-135m"}
+    if method in shipped_heads:
+        assert spec.heads == str(CONFIGS_DIR / "heads" / shipped_heads[method])
+        assert spec.exit_layers == json.loads(
+            (Path(spec.heads) / "heads.json").read_text())["exit_layers"]
+
+
+def test_every_part_of_the_default_draft_switches_off(model_dir):
+    spec = engine_config(model_dir, {
+        "method": "del", "draft_precision": "target", "draft_vocab": "full",
+        "lookup": False, "heads": "none"}).speculative_config
+    assert (spec.draft_precision, spec.draft_vocab, spec.lookup) == ("target", "full", False)
+    assert spec.trained_heads is None and spec.draft_vocab_token_ids() is None
+    assert spec.exit_layers == list(range(1, 30))  # the model's own head at every exit
+    assert engine_config(model_dir, {"method": "del", "exit_layers": [8, 16]}
+                         ).speculative_config.trained_heads is None  # exits by layer
+
+
+def test_a_model_without_shipped_assets_drafts_over_its_whole_vocabulary(tiny_llama_dir):
+    spec = engine_config(tiny_llama_dir, {"method": "draft_verify"}).speculative_config
+    assert spec.draft_vocab == "full" and spec.draft_vocab_token_ids() is None
+    with pytest.raises(ValueError, match=r"speculative_config\.heads: no exit heads are "
+                                         r"shipped for this model and adadecode needs "
+                                         r"them; train them with `python "
+                                         r"scripts/train_exit_heads\.py --model MODEL_DIR`"):
+        engine_config(tiny_llama_dir, {"method": "adadecode"})
 
 
 def test_draft_vocab_size_takes_the_models_shipped_vocabulary(model_dir):
@@ -195,3 +238,16 @@ def test_draft_sampling_defaults_to_probabilistic_and_greedy_is_kept(model_dir):
     assert config.speculative_config.draft_sample_method == "greedy"
     with pytest.raises(ValueError, match=r"draft_sample_method: use one of"):
         engine_config(model_dir, {"method": "draft_verify", "draft_sample_method": "top_k"})
+
+
+def test_the_settings_tables_are_written_from_the_config_classes():
+    """docs/settings.md and the README state each setting as its config field
+    does (`scripts/settings_doc.py` writes them)."""
+    import subprocess
+    import sys
+
+    from vllm_selfspec.assets import ROOT
+
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "settings_doc.py"),
+                             "--check"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -33,16 +33,19 @@ assert Path(distribution("vllm-selfspec")._path).resolve().is_relative_to(fresh)
 declared = " ".join(requires("vllm-selfspec"))
 for needed in ("bayesian-optimization", "numpy", "safetensors"):  # imported at run time
     assert needed in declared, declared
-for spec in ({"method": "adadecode", "heads": "smollm2-135m"},
-             {"method": "del", "heads": "smollm2-135m-del"},
-             {"method": "draft_verify", "config_file": "smollm2-135m"}):
-    EngineArgs(model=model, dtype="float32", max_model_len=512,
-               speculative_config=spec).create_engine_config()
+# Each method by its name finds the wheel's shipped heads and vocabulary.
+for method, heads in (("adadecode", "smollm2-135m"), ("del", "smollm2-135m-del")):
+    spec = EngineArgs(model=model, dtype="float32", max_model_len=512,
+                      speculative_config={"method": method}).create_engine_config(
+                      ).speculative_config
+    assert Path(spec.heads).resolve() == Path(vllm_selfspec.__file__).parent.resolve(
+        ) / "configs" / "heads" / heads, spec.heads
+    assert Path(spec.draft_vocab).name == "smollm2-135m.json", spec.draft_vocab
+EngineArgs(model=model, dtype="float32", max_model_len=512, speculative_config={
+    "method": "draft_verify", "config_file": "smollm2-135m"}).create_engine_config()
 from vllm import LLM, SamplingParams
 llm = LLM(model=model, dtype="float32", max_model_len=512, enforce_eager=True,
-          speculative_config={"method": "draft_verify", "draft_precision": "int8",
-                              "draft_vocab": "smollm2-135m", "lookup": {},
-                              "cost_aware": False},
+          speculative_config={"method": "draft_verify", "cost_aware": False},
           per_request_spec_decode_metrics="summary")
 (output,) = llm.generate(["def fibonacci(n):"], SamplingParams(
     temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)

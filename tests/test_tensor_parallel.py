@@ -124,21 +124,23 @@ def test_ray_executor_serves_swift(local_ray, tiny_llama_dir, tiny_llama_outputs
 
 @pytest.mark.parametrize("spec", [
     {"method": "draft_verify", "config_file": "smollm2-135m"},
-    {"method": "adadecode", "heads": "smollm2-135m"},
-    {"method": "del", "heads": "smollm2-135m"},
+    {"method": "adadecode"},
+    {"method": "del"},
     {"method": "swift", "context_window": 8},
 ], ids=lambda spec: spec["method"])
 def test_engine_configs_pickle(model_dir, spec):
     """Ray actors and mp workers get the config pickled: ours must survive it
-    whole (the method's own fields included)."""
+    whole (the method's own fields and the defaults chosen for the model
+    included)."""
     import pickle
 
     from tests.test_config import engine_config
+    from vllm_selfspec.config import COMMON_FIELDS
 
     config = engine_config(model_dir, spec).speculative_config
     copy = pickle.loads(pickle.dumps(config))
     assert type(copy) is type(config)
-    for name in ("method", *config.own_fields):
+    for name in ("method", *config.own_fields(), *COMMON_FIELDS):
         assert getattr(copy, name) == getattr(config, name), name
 
 

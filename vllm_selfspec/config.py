@@ -13,6 +13,8 @@ rebuilt in engine and worker processes before the plugin is loaded there.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib
 import importlib.resources
 import json
@@ -22,6 +24,9 @@ from typing import Any, ClassVar
 from pydantic import TypeAdapter, ValidationError
 from vllm.config import SpeculativeConfig
 from vllm.config.utils import config
+from vllm.logger import init_logger
+
+logger = init_logger(f"vllm.{__name__}")
 
 # method name -> module that defines its config class and proposer class.
 METHOD_MODULES = {
@@ -47,7 +52,13 @@ SUPPORTED_ARCHITECTURES = (
 # Keys every method takes (beside num_speculative_tokens and config_file).
 COMMON_FIELDS = ("draft_precision", "draft_vocab", "draft_vocab_size", "cost_aware",
                  "probe_every", "lookup")
-DRAFT_PRECISIONS = ("auto", "bf16", "int8", "int4")
+# Their defaults where a value says it (the others' docstrings say theirs).
+COMMON_DEFAULTS: dict[str, Any] = {"draft_precision": "auto", "cost_aware": True,
+                                   "probe_every": 16, "lookup": {}}
+DRAFT_PRECISIONS = ("auto", "target", "int8", "int4")
+# On a GPU, "auto" makes an int8 copy only where it takes at most this share
+# of the device's memory (the rest is the KV cache's).
+GPU_COPY_SHARE = 0.10
 
 
 class SelfSpecConfigError(ValueError):
@@ -63,7 +74,7 @@ def config_class_for(method: str) -> type[SelfSpecConfig]:
 
 
 def _field_names(cls: type) -> set[str]:
-    return set(cls.__dataclass_fields__)
+    return {field.name for field in dataclasses.fields(cls)}
 
 
 @config
@@ -71,45 +82,77 @@ class SelfSpecConfig(SpeculativeConfig):
     """Fields and checks shared by every self-speculative method."""
 
     config_file: str | None = None
-    """JSON file (path, or a name under `vllm_selfspec/configs/`) with this method's settings
-    for a model, e.g. a searched skip set. Keys set explicitly win."""
+    """JSON settings for a model (a path, or a name under
+    `vllm_selfspec/configs/`), such as a searched skip set; keys given directly
+    win over the file's. The file holds `num_hidden_layers`, checked against
+    the target, and `methods.<method>.<key>`."""
     draft_precision: str | None = None
-    """Weights the draft reads: "auto" (default, the target's own), "bf16" (the
-    target's, which must be bf16), "int8" (a W8A8 copy made at start-up, vLLM's
-    int8 kernels) or "int4" (a W4A16 copy; bf16/fp16 models). Verification
-    always uses the target's own weights."""
+    """Weights the draft reads: "auto", "target" (the target's own), "int8" (a
+    W8A8 copy) or "int4" (a W4A16 copy); verification always uses the
+    target's own, so outputs stay the target's. "auto" is a low-precision copy
+    where this platform's kernels make it pay, logged at start-up with the
+    reason: "int8" on a CPU; on a CUDA/ROCm GPU "int8" when the model runs in
+    bf16/fp16 and the copy takes at most a tenth of the device's memory (the
+    rest stays the KV cache's; a 70B model's copy is 70 GB), else "target";
+    "target" for an already quantised model and on other platforms. The int8
+    copy covers every linear the draft runs, made from the loaded weights at
+    start-up (per-output-channel scales), through vLLM's int8 kernels (on the
+    CPU the AMX sgl kernel where the CPU and shape allow, oneDNN otherwise; on
+    CUDA CUTLASS), and on an x86 CPU without VNNI or AMX PyTorch's fbgemm
+    dynamic int8 linear instead. The int4 copy is symmetric in groups of 64
+    (vLLM's `cpu_gemm_wna16`, or its W4A8 `int4_scaled_mm_cpu` on AMX,
+    Marlin/Machete on CUDA, PyTorch's int4 kernel where the build has
+    neither; bf16/fp16 models; the draft head stays int8). Start-up logs the
+    copy's size; under tensor parallelism each rank copies its own shard."""
     draft_vocab: str | int | None = None
-    """Draft LM head over a frequent-token subset: a vocabulary file (path or a
-    name under vllm_selfspec/configs/vocab/), or a size N (the top N of the file shipped for
-    this model). Drafts never leave the subset; verification uses the full head."""
+    """A draft LM head over a frequent-token subset: a vocabulary file (a
+    path, or a name under `vllm_selfspec/configs/vocab/`), a size N (the top
+    N tokens of the model's shipped file) or "full" (the whole vocabulary).
+    Every LM-head pass of the draft uses it (drafts, AdaDecode's exits, DEL's
+    shadow tokens, SWIFT's scoring); drafts never leave the subset, and
+    verification uses the full head. Files are checked against the model like
+    exit heads (vocabulary size, final-norm hash); the shipped file is found
+    by the model's weights, and start-up logs which was taken. Default: the
+    model's shipped file, else "full"."""
     draft_vocab_size: int | None = None
-    """Tokens of the draft_vocab file to keep (default: the file's own size)."""
+    """How many of the vocabulary file's ranked tokens to keep. Default: the
+    file's recommended size."""
     cost_aware: bool | None = None
-    """Draft only as many tokens per request and round as pay for themselves,
-    given the draft step's measured cost and the request's own acceptance
-    (zero included: then the step is plain decoding). Default true."""
+    """Draft only what pays, per request and round, by the costs the engine
+    times and each request's own acceptance; false: draft every round as the
+    method says. Each request drafts the number of tokens that maximises its
+    expected tokens per unit of time at the current batch size, none (plain
+    decoding for it) where no number beats plain by 5 %; a batch-size bucket
+    whose drafting rounds did not beat plain rounds' tokens per second by 5 %
+    drafts nothing, lookups included, but for a try spaced to cost at most
+    1 % of decoding. Tensor-parallel ranks use rank 0's measurements. How it
+    works: docs/design.md, cost-aware drafting."""
     probe_every: int | None = None
-    """Requests that stopped drafting draft one token on every this-many-th
-    engine round (together), to notice when their text turns predictable
-    (default 16)."""
+    """The fewest engine rounds between probes, on which requests that stopped
+    drafting draft one token together, so they start again when their text
+    turns predictable. Dear probes are spaced further, so that probes that
+    find nothing cost at most 1 % of decoding."""
     draft_sample_method: str = "probabilistic"
-    """How a sampled request's self-drafts are drawn (vLLM's key, with
-    another default): "probabilistic" draws them from the draft's own
-    distribution at the request's temperature and verifies them with it, so
-    they keep nearly their greedy acceptance at any temperature; "greedy"
-    drafts the argmax, accepted with the target's probability of it. Both
-    keep the target distribution exactly; lookup drafts are one token each."""
-    lookup: dict[str, int] | None = None
-    """Try a free draft from the request's own text first: {"min_match": 2,
-    "max_match": 8, "max_tokens": 12} (or {} for these defaults). When the
-    request's last min_match..max_match tokens occurred earlier in it, the
-    tokens that followed are this round's drafts and no self-draft runs for
-    it: with cost_aware as many (up to max_tokens) as its own lookups' record
-    makes worth verifying, else max_tokens."""
+    """How sampled requests' self-drafts are drawn (vLLM's key, with another
+    default): "probabilistic" from the draft's own distribution, verified with
+    it; "greedy" the argmax. Probabilistic drafts are accepted with
+    min(1, p/q), nearly their greedy acceptance at any temperature; greedy
+    ones with p. Both keep the target distribution; seeded requests draw
+    drafts from their seed and position; lookup drafts are one-hot."""
+    lookup: dict[str, int] | bool | None = None
+    """Free drafts first, copied from the request's own text where its last
+    tokens occurred before: a dict sets min_match, max_match and max_tokens,
+    {} or true keeps their defaults, false turns lookups off. When a
+    request's last `min_match` to
+    `max_match` tokens occurred earlier in its prompt or output, the tokens
+    that followed there are its drafts this round (vLLM's own n-gram matcher)
+    and it runs no self-draft; requests without a match self-draft as usual,
+    in the same batch. With cost_aware, as many (up to `max_tokens` and
+    num_speculative_tokens) as the request's own lookups' acceptance makes
+    worth verifying; without it, `max_tokens`."""
 
     # Defaults a method module sets; None means "not given by the user".
     default_num_speculative_tokens: ClassVar[int] = 4
-    own_fields: ClassVar[tuple[str, ...]] = ()
     defaults: ClassVar[dict[str, Any]] = {}  # for fields the user and file left unset
 
     def __post_init__(self) -> None:
@@ -125,13 +168,20 @@ class SelfSpecConfig(SpeculativeConfig):
         self.prompt_lookup_min = 0
         self.draft_model_config = self.target_model_config
         self.draft_parallel_config = self.target_parallel_config
-        for name, value in self.defaults.items():
+        for name, value in {**COMMON_DEFAULTS, **self.defaults}.items():
             if getattr(self, name) is None:
-                setattr(self, name, list(value) if isinstance(value, list) else value)
+                setattr(self, name, copy.copy(value))
         self.validate_common_fields()
         self.validate_method_fields()
         if self.target_model_config is not None:
             self._validate_target()
+
+    @classmethod
+    def own_fields(cls) -> tuple[str, ...]:
+        """The method's own keys: its fields beyond the ones every method has."""
+        shared = {field.name for field in dataclasses.fields(SelfSpecConfig)}
+        return tuple(field.name for field in dataclasses.fields(cls)
+                     if field.name not in shared)
 
     # --- hooks for the method modules -------------------------------------
     def validate_method_fields(self) -> None:
@@ -142,7 +192,7 @@ class SelfSpecConfig(SpeculativeConfig):
 
     def method_hash_factors(self) -> list[Any]:
         """Fields that change the draft's compiled graph."""
-        return [getattr(self, name) for name in self.own_fields]
+        return [getattr(self, name) for name in self.own_fields()]
 
     # --- vLLM hooks ---------------------------------------------------------
     def uses_draft_model(self) -> bool:
@@ -191,7 +241,7 @@ class SelfSpecConfig(SpeculativeConfig):
                 f"'{self.method}' (it has {sorted(methods)}); add a 'methods."
                 f"{self.method}' entry or choose another file."
             )
-        allowed = (*self.own_fields, *COMMON_FIELDS, "num_speculative_tokens")
+        allowed = (*self.own_fields(), *COMMON_FIELDS, "num_speculative_tokens")
         fields = type(self).__dataclass_fields__
         for key, value in methods[self.method].items():
             if key not in allowed:
@@ -248,12 +298,8 @@ class SelfSpecConfig(SpeculativeConfig):
 
     # --- draft weights and vocabulary ---------------------------------------
     def validate_common_fields(self) -> None:
-        if self.draft_precision is None:
-            self.draft_precision = "auto"
-        if self.cost_aware is None:
-            self.cost_aware = True
-        if self.probe_every is None:
-            self.probe_every = 16
+        if self.lookup is True:
+            self.lookup = {}
         if self.probe_every < 1:
             raise SelfSpecConfigError(
                 f"speculative_config.probe_every: {self.probe_every} must be >= 1.")
@@ -272,13 +318,13 @@ class SelfSpecConfig(SpeculativeConfig):
             raise SelfSpecConfigError(
                 f"speculative_config.draft_vocab_size: {self.draft_vocab_size} must be "
                 ">= 1.")
-        if self.draft_vocab_size is not None and self.draft_vocab is None:
+        if self.draft_vocab_size is not None and self.draft_vocab == "full":
             raise SelfSpecConfigError(
-                "speculative_config.draft_vocab_size: needs draft_vocab (a file, or "
-                "give the size as draft_vocab).")
+                "speculative_config.draft_vocab_size: draft_vocab 'full' keeps every "
+                "token; remove draft_vocab_size or give draft_vocab a file.")
 
     def _validate_lookup(self) -> None:
-        if self.lookup is None:
+        if self.lookup is False:
             return
         from vllm_selfspec.workers.lookup import LOOKUP_DEFAULTS
 
@@ -302,11 +348,20 @@ class SelfSpecConfig(SpeculativeConfig):
 
         model_config = self.target_model_config
         dtype = model_config.dtype
-        if self.draft_precision == "bf16" and str(dtype) != "torch.bfloat16":
-            raise SelfSpecConfigError(
-                f"speculative_config.draft_precision: 'bf16' drafts with the target's "
-                f"own bf16 weights, but the target runs in {dtype}; use 'int8', or "
-                "leave it unset.")
+        chosen = []
+        if self.draft_precision == "auto":
+            self.draft_precision, why = self._automatic_precision()
+            chosen.append(f"draft_precision '{self.draft_precision}' ({why})")
+        if self.draft_vocab is None:
+            self.draft_vocab, why = self._automatic_vocab()
+            chosen.append(f"draft_vocab '{Path(self.draft_vocab).stem}' ({why})")
+            if self.draft_vocab == "full" and self.draft_vocab_size is not None:
+                raise SelfSpecConfigError(
+                    f"speculative_config.draft_vocab_size: {why}, so there is no file "
+                    "to keep tokens of; give draft_vocab a vocabulary file.")
+        if chosen:
+            logger.info("vllm-selfspec %s chose %s; set these keys to choose otherwise.",
+                        self.method, ", ".join(chosen))
         if self.draft_precision in ("int8", "int4"):
             from vllm.platforms import current_platform
 
@@ -334,24 +389,61 @@ class SelfSpecConfig(SpeculativeConfig):
                     raise SelfSpecConfigError(
                         f"speculative_config.draft_precision: 'int4' cannot run this "
                         f"model's layers ({problem}); use 'int8'.")
-        if self.draft_vocab is not None:
+        if self.draft_vocab != "full":
             self._check_draft_vocab()
+
+    def _automatic_precision(self) -> tuple[str, str]:
+        """What "auto" means on this platform for this model, and why."""
+        from vllm.platforms import current_platform
+
+        model_config = self.target_model_config
+        dtype = str(model_config.dtype)
+        if model_config.quantization is not None:
+            return "target", f"the target is already {model_config.quantization}-quantised"
+        if current_platform.is_cpu():
+            from vllm_selfspec.workers.draft_weights import int8_runs_fbgemm
+
+            kernel = ("PyTorch's fbgemm kernel: this CPU has no VNNI or AMX"
+                      if int8_runs_fbgemm() else "vLLM's int8 kernel")
+            return "int8", (f"an int8 copy reads 1/{model_config.dtype.itemsize} of the "
+                            f"target's {dtype.removeprefix('torch.')} bytes; {kernel}")
+        if current_platform.is_cuda_alike():
+            if dtype not in ("torch.bfloat16", "torch.float16"):
+                return "target", f"vLLM's int8 GPU kernels need bf16/fp16, the target runs {dtype}"
+            shapes = _linear_shard_shapes(model_config.hf_config, self.target_parallel_config)
+            copy = model_config.hf_config.num_hidden_layers * sum(o * i for o, i in shapes)
+            memory = current_platform.get_device_total_memory()
+            share = copy / memory
+            if share > GPU_COPY_SHARE:
+                return "target", (f"an int8 copy would take {copy / 1e9:.1f} GB, "
+                                  f"{share:.0%} of this GPU's memory, from the KV cache")
+            return "int8", f"an int8 copy takes {copy / 1e9:.1f} GB, {share:.0%} of this GPU"
+        return "target", f"no int8 kernels for {current_platform.device_name}"
+
+    def _automatic_vocab(self) -> tuple[str, str]:
+        """The vocabulary shipped for this model, else "full", and why."""
+        from vllm_selfspec.draft_vocab import DraftVocabError, shipped_for
+
+        identity = local_identity(self.target_model_config)
+        if identity is None:
+            return "full", "a remote model: its weights cannot be matched before loading"
+        try:
+            return str(shipped_for(identity).path), "shipped for this model"
+        except DraftVocabError:
+            return "full", "none is shipped for this model"
 
     def _check_draft_vocab(self) -> None:
         from vllm_selfspec.draft_vocab import DraftVocab, DraftVocabError, shipped_for
-        from vllm_selfspec.workers.exit_heads import local_final_norm, model_identity
 
-        hf_config = self.target_model_config.hf_config
-        norm_weight = local_final_norm(self.target_model_config.model)
+        identity = local_identity(self.target_model_config)
         try:
-            if norm_weight is None:  # a remote model: the worker checks at load
+            if identity is None:  # a remote model: the worker checks at load
                 if isinstance(self.draft_vocab, int):
                     raise DraftVocabError(
                         "speculative_config.draft_vocab: a size needs the model's "
                         "files on disk to find its shipped vocabulary; give a file.")
                 vocab = DraftVocab.open(self.draft_vocab)
             else:
-                identity = model_identity(hf_config, norm_weight)
                 vocab = (shipped_for(identity) if isinstance(self.draft_vocab, int)
                          else DraftVocab.open(self.draft_vocab))
                 vocab.check(identity)
@@ -365,7 +457,7 @@ class SelfSpecConfig(SpeculativeConfig):
         """The draft head's tokens (None: the whole vocabulary); with the
         loaded model's final norm, the file is checked against it too (the
         start-up check can only read local checkpoints)."""
-        if self.draft_vocab is None:
+        if self.draft_vocab in (None, "full"):
             return None
         from vllm_selfspec.draft_vocab import DraftVocab, DraftVocabError
         from vllm_selfspec.workers.exit_heads import model_identity
@@ -377,6 +469,16 @@ class SelfSpecConfig(SpeculativeConfig):
             except DraftVocabError as error:
                 raise SelfSpecConfigError(str(error)) from None
         return vocab.token_ids(self.draft_vocab_size)
+
+
+def local_identity(model_config: Any) -> dict[str, Any] | None:
+    """The identity shipped assets are matched by (exit_heads.model_identity),
+    read from a local checkpoint; None for a remote one."""
+    from vllm_selfspec.workers.exit_heads import local_final_norm, model_identity
+
+    norm_weight = local_final_norm(model_config.model)
+    return None if norm_weight is None else model_identity(model_config.hf_config,
+                                                            norm_weight)
 
 
 def _linear_shard_shapes(hf_config: Any, parallel_config: Any) -> list[tuple[int, int]]:
@@ -453,11 +555,11 @@ def check_keys(cls: type[SelfSpecConfig], kwargs: dict[str, Any]) -> None:
     if unknown:
         raise SelfSpecConfigError(
             f"speculative_config: unknown key(s) {unknown} for method "
-            f"'{method}'; its own keys are {list(cls.own_fields)}, "
+            f"'{method}'; its own keys are {list(cls.own_fields())}, "
             f"plus {list(COMMON_FIELDS)}, num_speculative_tokens, draft_sample_method "
             "and config_file."
         )
-    ours = {*cls.own_fields, *COMMON_FIELDS, "config_file"}
+    ours = {*cls.own_fields(), *COMMON_FIELDS, "config_file"}
     # ("model" is refused by `__post_init__`, with its own sentence.)
     dropped = sorted(set(kwargs) - ours - set(HONOURED_VLLM_KEYS) - {"model"})
     if dropped:

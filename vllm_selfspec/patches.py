@@ -222,6 +222,8 @@ USED_INTERNALS = (
      "lookup drafts: vLLM's n-gram matcher on a request's own tokens"),
     ("vllm.v1.sample.sampler", "", "_SAMPLING_EPS",
      "draft sampling treats a row as greedy where vLLM's sampler does"),
+    ("vllm.platforms.interface", "Platform", "get_device_total_memory",
+     "draft_precision 'auto' on a GPU weighs an int8 copy against the device's memory"),
 )
 
 ORIGINALS: dict[Patch, Any] = {}

@@ -37,19 +37,25 @@ from vllm_selfspec.proposers.early_exit import EarlyExitConfig, EarlyExitPropose
 @config
 class AdaDecodeConfig(EarlyExitConfig):
     method: Literal["adadecode"] = "adadecode"
+    heads: str | None = None
+    """Trained exit heads: a directory with heads.json and heads.safetensors
+    (a path, or a name under `vllm_selfspec/configs/heads/`), checked at
+    start-up against the model's shapes and weights (final-norm hash). Default:
+    the heads shipped for this model, found by its weights
+    (`<model>-adadecode` before `<model>`); where none are shipped, start-up
+    fails naming the command that trains them."""
     threshold: float | None = None
-    """Emit a token at the first head whose top-1 probability exceeds this
-    (default 0.75; above 1 nothing exits early)."""
+    """A token is emitted at the first head whose top-1 probability exceeds
+    this; above 1 nothing exits early (plain decoding)."""
     max_early: int | None = None
-    """Most early predictions outstanding, i.e. num_speculative_tokens (default 5)."""
+    """The most early predictions outstanding: num_speculative_tokens, under
+    the paper's name. Default: num_speculative_tokens's."""
 
     default_num_speculative_tokens = 5
-    own_fields = ("heads", "threshold", "exit_layers", "max_early")
+    defaults = {"threshold": 0.75}
 
     def validate_method_fields(self) -> None:
         self.validate_heads_field()
-        if self.threshold is None:
-            self.threshold = 0.75
         if self.threshold < 0:
             raise SelfSpecConfigError(
                 f"speculative_config.threshold: {self.threshold} is negative; give a "

@@ -251,7 +251,7 @@ class SelfSpecProposer(DraftModelProposer):
         self._draft_attn_layer_names = {
             layer.self_attn.attn.layer_name for layer in layers
         }
-        if self.options.lookup is not None:
+        if self.options.lookup:
             from vllm_selfspec.workers.lookup import compile_lookup
 
             compile_lookup(self.vllm_config.model_config.max_model_len)
@@ -371,7 +371,7 @@ class SelfSpecProposer(DraftModelProposer):
         self._early = None  # a decision is for its own round only
         if spec_decode_metadata is not None:
             return False  # drafts were verified: feedback first
-        if self.options.lookup is not None and not self._closed(
+        if self.options.lookup and not self._closed(
                 len(self.runner.input_batch.req_ids), self.counters.rounds + 1):
             return False  # lookup needs the sampled tokens: `propose` decides
         if self._repeat_decline(num_tokens):
@@ -444,7 +444,7 @@ class SelfSpecProposer(DraftModelProposer):
                                        started, accepted_now)
             may_draft = self._may_draft(req_ids)
             costs = (self._timed_costs(req_ids, num_speculative_tokens)
-                     if self.options.lookup is not None else None)
+                     if self.options.lookup else None)
             if costs is not None:
                 rows = self.draft_by_lookup(req_ids, target_token_ids, next_token_ids,
                                             common_attn_metadata, accepted_now, drafts, costs)

@@ -34,24 +34,21 @@ class DraftVerifyConfig(SelfSpecConfig):
     mlp_skip: list[int] | None = None
     """Layers whose MLP sub-block the draft skips."""
     threshold: float | None = None
-    """Initial draft-exit threshold gamma_0 (default 0.6)."""
+    """The initial draft-exit threshold gamma_0: a request stops drafting
+    after a token whose top-1 probability is below gamma."""
     adaptive_threshold: bool | None = None
-    """Adapt gamma per request toward target_acceptance (default true)."""
+    """Adapt gamma per request after every verification, toward
+    target_acceptance."""
     target_acceptance: float | None = None
-    """Target acceptance rate alpha of the adaptive threshold (default 0.9)."""
+    """alpha, the acceptance rate the adaptive threshold steers toward."""
     threshold_step: float | None = None
-    """Step epsilon of the threshold update (default 0.01)."""
+    """epsilon, the step of the threshold update."""
     acceptance_smoothing: float | None = None
-    """beta_1, smoothing of the acceptance rate (default 0.5)."""
+    """beta_1, the smoothing of the acceptance rate."""
     threshold_smoothing: float | None = None
-    """beta_2, smoothing of the threshold (default 0.9)."""
+    """beta_2, the smoothing of the threshold."""
 
     default_num_speculative_tokens = 12
-    own_fields = (
-        "attn_skip", "mlp_skip", "threshold", "adaptive_threshold",
-        "target_acceptance", "threshold_step", "acceptance_smoothing",
-        "threshold_smoothing",
-    )
     defaults = {
         "attn_skip": [], "mlp_skip": [], "threshold": 0.6, "adaptive_threshold": True,
         "target_acceptance": 0.9, "threshold_step": 0.01, "acceptance_smoothing": 0.5,

@@ -51,45 +51,60 @@ EXIT_TIMING_REPEATS = 5
 @config
 class DelConfig(EarlyExitConfig):
     method: Literal["del"] = "del"
+    heads: str | None = None
+    """Trained exit heads (a directory, a path or a name under
+    `vllm_selfspec/configs/heads/`, checked as AdaDecode's), or "none": the
+    model's own LM head at each exit (LayerSkip-trained models need no heads,
+    vanilla ones do). Giving exit_layers or exit_layer_stride without heads
+    means "none". Default: the heads shipped for this model, found by its
+    weights (`<model>-del` before `<model>`), else "none"."""
+    exit_layers: list[int] | None = None
+    """Candidate exit layers (an exit after E layers); each adds one LM-head
+    pass over a round's valid positions. Default: all of the heads' exits, or
+    with heads "none" every exit_layer_stride-th layer 1..L-1."""
     exit_layer_stride: int | None = None
-    """Without heads: candidate exits every n-th layer, 1..L-1 (default 1, all)."""
+    """Without heads: candidate exits every n-th layer, 1..L-1 (bounds the
+    shadow-token cost). Default: 1, every layer."""
     decay: float | None = None
-    """omega, per-round decay of the statistics (default 0.95)."""
+    """omega, the per-round decay of the statistics."""
     max_draft: int | None = None
-    """d_max, the most drafts per round, i.e. num_speculative_tokens (default 18)."""
+    """d_max, the most drafts per round: num_speculative_tokens, under the
+    paper's name. Default: num_speculative_tokens's."""
     stat_positions: int | None = None
-    """Positions per forward that feed the statistics: at prefill, the last
-    this-many prompt positions (default 32)."""
+    """Positions per forward that feed the statistics (at prefill, the last
+    this-many prompt positions)."""
     step_overhead: float | None = None
-    """A forward's fixed cost (LM head, sampling, engine) in decoder layers,
-    added to every draft step and to the verification in TPL's cost. Default:
-    measured by the engine at start-up; 0 is the paper's layer count."""
+    """o, a forward's fixed cost (LM head, sampling, engine) in decoder layers,
+    added to every draft step and to the verification in TPL's cost:
+    TPL(E, d) = sum a^i / (d(E+o) + L + o); 0 is the paper's layer count.
+    Default: measured by the engine at start-up, before any request (a line
+    through the time of a draft step at each exit; rank 0's value on every
+    rank)."""
     exit_layer: int | None = None
-    """Fix the exit layer (DEL's ablation; default: chosen every round)."""
+    """Fix the exit layer E (the paper's DEL-gamma ablation). Default: chosen
+    every round."""
     draft_length: int | None = None
     """Fix the drafts per round and turn the confidence stop off; with
-    exit_layer this is static early-exit drafting, LayerSkip's LS(E-gamma)."""
+    exit_layer this is static early-exit drafting, LayerSkip's LS(E-gamma).
+    Default: set by the confidence threshold tau."""
 
     heads_required = False
     default_num_speculative_tokens = 18
-    own_fields = ("heads", "exit_layers", "exit_layer_stride", "decay", "max_draft",
-                  "stat_positions", "step_overhead", "exit_layer", "draft_length")
+    defaults = {"decay": 0.95, "stat_positions": 32}
 
     def validate_method_fields(self) -> None:
         self.validate_heads_field()
         if self.exit_layer_stride is not None and (
-                self.heads is not None or self.exit_layers is not None):
+                self.trained_heads is not None or self.exit_layers is not None):
             raise SelfSpecConfigError(
                 "speculative_config.exit_layer_stride: applies only without heads and "
                 "exit_layers; remove it or list the exits in exit_layers.")
-        self.decay = 0.95 if self.decay is None else self.decay
         if not 0.0 < self.decay <= 1.0:
             raise SelfSpecConfigError(
                 f"speculative_config.decay: {self.decay} is outside (0, 1]; DEL uses 0.95.")
         if self.max_draft is not None:
             self.num_speculative_tokens = self.max_draft
         self.max_draft = self.num_speculative_tokens
-        self.stat_positions = 32 if self.stat_positions is None else self.stat_positions
         if self.step_overhead is not None:  # None: measured by the engine
             self.step_overhead = float(self.step_overhead)
             if self.step_overhead < 0:
@@ -105,6 +120,10 @@ class DelConfig(EarlyExitConfig):
             raise SelfSpecConfigError(
                 f"speculative_config.draft_length: {self.draft_length} must be in "
                 f"1..max_draft ({self.max_draft}).")
+
+    def wants_shipped_heads(self) -> bool:
+        # Exits given by layer or stride use the model's own head there.
+        return self.exit_layers is None and self.exit_layer_stride is None
 
     def default_exit_layers(self, num_layers: int) -> list[int]:
         return list(range(self.exit_layer_stride or 1, num_layers, self.exit_layer_stride or 1))

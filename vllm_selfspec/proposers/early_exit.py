@@ -16,8 +16,15 @@ import torch
 import torch.nn as nn
 from vllm.compilation.backends import set_model_tag
 from vllm.config.utils import config
+from vllm.logger import init_logger
 
-from vllm_selfspec.config import CONFIGS_DIR, SelfSpecConfig, SelfSpecConfigError
+from vllm_selfspec.config import (
+    CONFIGS_DIR,
+    METHOD_MODULES,
+    SelfSpecConfig,
+    SelfSpecConfigError,
+    local_identity,
+)
 from vllm_selfspec.models import adapter_for
 from vllm_selfspec.proposers.base import SelfSpecProposer
 from vllm_selfspec.workers.draft_model import key_compile_cache
@@ -26,37 +33,80 @@ from vllm_selfspec.workers.exit_heads import (
     ExitHeads,
     ExitSegment,
     HeadsFileError,
-    local_final_norm,
     model_identity,
 )
+
+logger = init_logger(f"vllm.{__name__}")
+
+# `heads` when exits use the model's own LM head (no trained transforms).
+NO_HEADS = "none"
 
 
 @config
 class EarlyExitConfig(SelfSpecConfig):
     heads: str | None = None
-    """Directory of trained exit heads (heads.json + heads.safetensors), a path
-    or a name under vllm_selfspec/configs/heads/."""
+    """Trained exit heads: a directory with heads.json and heads.safetensors
+    (a path, or a name under `vllm_selfspec/configs/heads/`), checked at
+    start-up against the model's shapes and weights (final-norm hash).
+    Default: the heads shipped for this model, found by its weights
+    (`<model>-<method>` before `<model>`)."""
     exit_layers: list[int] | None = None
-    """Exit layers to use (an exit after E layers); default: all of the heads'."""
+    """Candidate exit layers (an exit after E layers); each adds one LM-head
+    pass over a round's valid positions. Default: all of the heads' exits."""
 
     heads_required: ClassVar[bool] = True
 
     def validate_heads_field(self) -> None:
-        if self.heads is None:
-            if self.heads_required:
-                raise SelfSpecConfigError(
-                    f"speculative_config.heads: {self.method} needs trained exit "
-                    "heads; train them with scripts/train_exit_heads.py and give "
-                    "their directory."
-                )
-            return
-        self.heads = str(resolve_heads(self.heads))
+        """A given `heads` must exist; an unset one is found for the model
+        (`validate_for_model`)."""
+        if self.heads == NO_HEADS and self.heads_required:
+            raise SelfSpecConfigError(
+                f"speculative_config.heads: {self.method} needs trained exit heads, "
+                f"not '{NO_HEADS}'; {TRAIN_HEADS}.")
+        if self.heads not in (None, NO_HEADS):
+            self.heads = str(resolve_heads(self.heads))
+
+    @property
+    def trained_heads(self) -> str | None:
+        """The heads directory, or None where exits use the model's own head."""
+        return None if self.heads in (None, NO_HEADS) else self.heads
+
+    def wants_shipped_heads(self) -> bool:
+        """Whether an unset `heads` means the shipped ones (else the model's
+        own head at each exit)."""
+        return True
+
+    def _shipped_heads(self) -> str:
+        """The heads shipped for this model, else NO_HEADS (an error where the
+        method needs heads)."""
+        identity = local_identity(self.target_model_config)
+        found = []
+        if identity is not None:
+            for directory in sorted((CONFIGS_DIR / "heads").iterdir()):
+                heads = ExitHeads.open(str(directory))
+                if heads.meta["model"]["final_norm_sha256"] == identity["final_norm_sha256"]:
+                    found.append(directory)
+        own = [d for d in found if d.name.endswith(f"-{self.method}")]
+        general = [d for d in found
+                   if not any(d.name.endswith(f"-{method}") for method in METHOD_MODULES)]
+        chosen = (own or general or [None])[0]
+        if chosen is not None:
+            logger.info("vllm-selfspec %s chose heads '%s' (shipped for this model); "
+                        "set heads to choose otherwise.", self.method, chosen.name)
+            return str(chosen)
+        if self.heads_required:
+            raise SelfSpecConfigError(
+                f"speculative_config.heads: no exit heads are shipped for this model "
+                f"and {self.method} needs them; {TRAIN_HEADS}.")
+        return NO_HEADS
 
     def default_exit_layers(self, num_layers: int) -> list[int]:
         raise NotImplementedError
 
     def validate_for_model(self, num_layers: int) -> None:
         if self.heads is None:
+            self.heads = self._shipped_heads() if self.wants_shipped_heads() else NO_HEADS
+        if self.heads == NO_HEADS:
             if self.exit_layers is None:
                 self.exit_layers = self.default_exit_layers(num_layers)
             bad = [e for e in self.exit_layers if not 1 <= e <= num_layers]
@@ -70,12 +120,11 @@ class EarlyExitConfig(SelfSpecConfig):
             self.exit_layers = sorted(self.exit_layers)
             return
         heads = open_heads(self.heads)
-        hf_config = self.target_model_config.hf_config
         try:
-            heads.check_shapes(hf_config)
-            norm_weight = local_final_norm(self.target_model_config.model)
-            if norm_weight is not None:
-                heads.check_identity(model_identity(hf_config, norm_weight))
+            heads.check_shapes(self.target_model_config.hf_config)
+            identity = local_identity(self.target_model_config)
+            if identity is not None:
+                heads.check_identity(identity)
         except HeadsFileError as error:
             raise SelfSpecConfigError(str(error)) from None
         if self.exit_layers is None:
@@ -89,6 +138,10 @@ class EarlyExitConfig(SelfSpecConfig):
         self.exit_layers = sorted(self.exit_layers)
 
 
+TRAIN_HEADS = ("train them with `python scripts/train_exit_heads.py --model MODEL_DIR` "
+               "and give their directory as heads")
+
+
 def resolve_heads(location: str) -> Path:
     path = Path(location)
     if path.exists():
@@ -97,8 +150,8 @@ def resolve_heads(location: str) -> Path:
     if shipped.exists():
         return shipped
     raise SelfSpecConfigError(
-        f"speculative_config.heads: no heads at '{location}' (nor {shipped}); train "
-        "them with scripts/train_exit_heads.py and give their directory."
+        f"speculative_config.heads: no heads at '{location}' (nor {shipped}); "
+        f"{TRAIN_HEADS}."
     )
 
 
@@ -121,8 +174,8 @@ class EarlyExitProposer(SelfSpecProposer):
         adapter = adapter_for(self.target_model)
         transforms: dict[int, torch.Tensor | None] = dict.fromkeys(
             self.options.exit_layers)
-        if self.options.heads is not None:
-            heads = ExitHeads.open(self.options.heads)
+        if self.options.trained_heads is not None:
+            heads = ExitHeads.open(self.options.trained_heads)
             decoder = adapter.decoder(self.target_model)
             hf_config = self.vllm_config.model_config.hf_config
             heads.check_identity(model_identity(hf_config, decoder.norm.weight))

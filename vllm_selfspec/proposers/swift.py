@@ -79,7 +79,7 @@ TASK_KEY = "selfspec_task"
 # Learned sets compile in at most this share of the time (CompileBudget).
 COMPILE_SHARE = 0.1
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")
 
 
 def compiled_frames() -> int:
@@ -115,45 +115,50 @@ def export_path(export_dir: str, task: str) -> Path:
 class SwiftConfig(SelfSpecConfig):
     method: Literal["swift"] = "swift"
     skip_ratio: float | None = None
-    """r: the share of layers 1..L-2's attention and MLP sub-blocks a skip set
-    skips (default 0.45)."""
+    """r: the share of the 2(L-2) attention and MLP sub-blocks of layers
+    1..L-2 a skip set skips (the first and last layers always run)."""
     context_window: int | None = None
-    """W: generated tokens a candidate is scored on (default 32)."""
+    """W: a task's search starts when one of its requests has generated W+1
+    tokens; candidates are scored on that request's first W+1 generated
+    tokens."""
     optimise_every: int | None = None
-    """Engine steps per optimisation step (default 1: every step)."""
+    """Engine steps per optimisation step (one candidate scored per step)."""
     bayes_interval: int | None = None
-    """Every n-th candidate comes from Bayesian optimisation (default 25)."""
+    """Every n-th candidate comes from Bayesian optimisation (GP, UCB), the
+    rest are uniform random sets; 0: random only."""
     bayes_kappa: float | None = None
-    """UCB's exploration weight kappa (default 2.5)."""
+    """kappa, UCB's exploration weight."""
     stop_matchness: float | None = None
-    """End a task's search once its best set's matchness exceeds this (0.95)."""
+    """A task's search ends when its best set's matchness exceeds this..."""
     max_tolerance: int | None = None
-    """End it after this many candidates in a row without improvement (300)."""
+    """...or after this many candidates in a row without improvement..."""
     max_iterations: int | None = None
-    """End it after this many candidates (1000)."""
+    """...or after this many candidates."""
     confidence: float | None = None
-    """Stop drafting after a token whose top-1 probability is below this (0.8)."""
+    """Stop drafting after a token whose top-1 probability is below this."""
     search_seed: int | None = None
-    """Seed of the candidate generator (default 0)."""
+    """The seed of the candidate generator."""
     export_dir: str | None = None
-    """When a task's search ends, write its set there as `<task>.json`, a
-    config file for `draft_verify` (default: not written)."""
+    """When a task's search ends, write its set to `<export_dir>/<task>.json`,
+    a config file `draft_verify` reads (`"config_file":
+    "<export_dir>/code.json"`). Default: not written."""
     max_tasks: int | None = None
-    """Most task searches held at once, "default" included (default 8); a
-    new key beyond that takes the least recently used idle task's slot."""
+    """The most task searches held at once, "default" included; a new key
+    beyond that takes the least recently used idle task's slot."""
     search_share: float | None = None
-    """With cost_aware: most share of decoding time spent scoring candidates
-    (default 0.02); each step's measured cost spaces the next."""
+    """With cost_aware, at most this share of decoding goes to scoring
+    candidates: each step's measured cost (in plain steps) spaces the next.
+    The search also scores only where a set matching stop_matchness of the
+    tokens would draft at a profit at the engine's measured costs, and ends
+    once no set could beat its best by 5 %. cost_aware false is the paper's
+    schedule, a step every optimise_every."""
     compile_learned_set: bool | None = None
-    """Compiled engines: compile a task's set when its search ends, while
-    requests wait (default true; false: it drafts uncompiled, about 1.5x a
-    compiled draft's time on the CPU)."""
+    """In a compiled engine (not enforce_eager), compile a task's set when its
+    search ends, once per task, while requests wait
+    (`scripts/swift_compile.py` times it); false: the set drafts
+    uncompiled."""
 
     default_num_speculative_tokens = 25
-    own_fields = ("skip_ratio", "context_window", "optimise_every", "bayes_interval",
-                  "bayes_kappa", "stop_matchness", "max_tolerance", "max_iterations",
-                  "confidence", "search_seed", "export_dir", "max_tasks",
-                  "search_share", "compile_learned_set")
     defaults = {"skip_ratio": 0.45, "context_window": 32, "optimise_every": 1,
                 "bayes_interval": 25, "bayes_kappa": 2.5, "stop_matchness": 0.95,
                 "max_tolerance": 300, "max_iterations": 1000, "confidence": 0.8,

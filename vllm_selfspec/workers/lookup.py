@@ -23,6 +23,11 @@ import numpy as np
 # short where a match's continuation soon parts from the target's
 # (docs/results.md). Without it every lookup may run to the cap.
 LOOKUP_DEFAULTS = {"min_match": 2, "max_match": 8, "max_tokens": 12}
+LOOKUP_KEYS = {
+    "min_match": "The fewest of a request's last tokens that must have occurred before.",
+    "max_match": "The most of its last tokens matched (the longest match wins).",
+    "max_tokens": "The most tokens one lookup drafts.",
+}
 
 
 def request_tokens(recorded: np.ndarray, step_tokens: list[int], first_row: int,

@@ -372,7 +372,7 @@ def set_option(options, name: str, value) -> None:
 
     if value is None:
         raise ValueError(f"{name}: give a value, not None")
-    settable = SETTABLE_OPTIONS & {*options.own_fields, *COMMON_FIELDS}
+    settable = SETTABLE_OPTIONS & {*options.own_fields(), *COMMON_FIELDS}
     if not isinstance(name, str) or name not in settable:
         raise ValueError(f"{name!r} is not an option of {options.method} that can change "
                          f"while serving; those are {sorted(settable)}")

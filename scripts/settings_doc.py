@@ -1,0 +1,117 @@
+"""Write the settings tables of docs/settings.md and README.md from the config
+classes, the one place each setting's meaning and default are stated.
+
+A field's docstring is its meaning; its default is the value in
+`COMMON_DEFAULTS` or the method's `defaults`, else a closing "Default: ..."
+sentence of the docstring, else "none". Tables sit between
+`<!-- settings:NAME -->` and `<!-- /settings -->` markers; the prose around
+them is the files' own.
+
+    python scripts/settings_doc.py           # rewrite the tables
+    python scripts/settings_doc.py --check   # exit 1 if a file is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from pathlib import Path
+
+from vllm.config.utils import get_attr_docs
+
+from vllm_selfspec.assets import ROOT
+from vllm_selfspec.config import (
+    COMMON_DEFAULTS,
+    COMMON_FIELDS,
+    METHOD_MODULES,
+    SelfSpecConfig,
+    config_class_for,
+)
+from vllm_selfspec.workers.lookup import LOOKUP_DEFAULTS, LOOKUP_KEYS
+
+FILES = (ROOT / "docs" / "settings.md", ROOT / "README.md")
+BLOCK = re.compile(r"(<!-- settings:([\w-]+) -->\n)(.*?)(<!-- /settings -->)", re.S)
+HEADER = "| key | default | meaning |\n|---|---|---|\n"
+NUM_SPECULATIVE_TOKENS = "The most drafts per round."
+
+
+def _code(value) -> str:
+    return f"`{json.dumps(value)}`"
+
+
+def _meaning_and_default(cls: type[SelfSpecConfig], name: str) -> tuple[str, str]:
+    doc = " ".join(get_attr_docs(cls)[name].split())
+    stated = re.search(r"\s*Default: (.*?)\.?$", doc)
+    if stated:
+        return doc[:stated.start()], stated.group(1)
+    values = {**COMMON_DEFAULTS, **cls.defaults}
+    if name in values:
+        return doc, _code(values[name])
+    default = cls.__dataclass_fields__[name].default
+    if default is not dataclasses.MISSING and default is not None:
+        return doc, _code(default)
+    return doc, "none"
+
+
+def _row(key: str, default: str, meaning: str) -> str:
+    return f"| `{key}` | {default} | {meaning} |\n"
+
+
+def common_table(short: bool) -> str:
+    """Keys every method takes; `short`: each meaning's first sentence."""
+    rows = []
+    for name in ("config_file", *COMMON_FIELDS, "draft_sample_method"):
+        meaning, default = _meaning_and_default(SelfSpecConfig, name)
+        if short:
+            meaning = re.split(r"(?<=\.)\s", meaning, maxsplit=1)[0]
+        rows.append(_row(name, default, meaning))
+        if name == "lookup" and not short:
+            rows += [_row(f"lookup.{key}", _code(LOOKUP_DEFAULTS[key]), meaning)
+                     for key, meaning in LOOKUP_KEYS.items()]
+    rows.append(_row("num_speculative_tokens", "per method", NUM_SPECULATIVE_TOKENS))
+    return HEADER + "".join(rows)
+
+
+def method_table(method: str) -> str:
+    cls = config_class_for(method)
+    rows = [_row(name, default, meaning) for name in cls.own_fields()
+            for meaning, default in [_meaning_and_default(cls, name)]]
+    rows.append(_row("num_speculative_tokens", _code(cls.default_num_speculative_tokens),
+                     NUM_SPECULATIVE_TOKENS))
+    return HEADER + "".join(rows)
+
+
+def table(name: str) -> str:
+    if name in ("common", "common-short"):
+        return common_table(short=name == "common-short")
+    if name in METHOD_MODULES:
+        return method_table(name)
+    raise SystemExit(f"unknown settings table '{name}'")
+
+
+def render(text: str) -> str:
+    return BLOCK.sub(lambda m: m.group(1) + table(m.group(2)) + m.group(4), text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="change nothing; exit 1 naming each file that is out of date")
+    args = parser.parse_args()
+    stale = []
+    for path in FILES:
+        text = path.read_text()
+        if render(text) != text:
+            stale.append(path)
+            if not args.check:
+                path.write_text(render(text))
+    if args.check and stale:
+        sys.exit("out of date (run python scripts/settings_doc.py): "
+                 + ", ".join(str(Path(p).relative_to(ROOT)) for p in stale))
+
+
+if __name__ == "__main__":
+    main()
