@@ -1,9 +1,9 @@
 """Write the settings tables of docs/settings.md and README.md from the config
 classes, the one place each setting's meaning and default are stated.
 
-A field's docstring is its meaning; its default is the value in
-`COMMON_DEFAULTS` or the method's `defaults`, else a closing "Default: ..."
-sentence of the docstring, else "none". Tables sit between
+A field's docstring is its meaning; its default is the docstring's closing
+"Default: ..." sentence, else its value in `SelfSpecConfig.default_values()`,
+else the field's own default, else "none". Tables sit between
 `<!-- settings:NAME -->` and `<!-- /settings -->` markers; the prose around
 them is the files' own.
 
@@ -24,7 +24,6 @@ from vllm.config.utils import get_attr_docs
 
 from vllm_selfspec.assets import ROOT
 from vllm_selfspec.config import (
-    COMMON_DEFAULTS,
     COMMON_FIELDS,
     METHOD_MODULES,
     SelfSpecConfig,
@@ -47,7 +46,7 @@ def _meaning_and_default(cls: type[SelfSpecConfig], name: str) -> tuple[str, str
     stated = re.search(r"\s*Default: (.*?)\.?$", doc)
     if stated:
         return doc[:stated.start()], stated.group(1)
-    values = {**COMMON_DEFAULTS, **cls.defaults}
+    values = cls.default_values()
     if name in values:
         return doc, _code(values[name])
     default = cls.__dataclass_fields__[name].default
@@ -104,10 +103,11 @@ def main() -> None:
     stale = []
     for path in FILES:
         text = path.read_text()
-        if render(text) != text:
+        rendered = render(text)
+        if rendered != text:
             stale.append(path)
             if not args.check:
-                path.write_text(render(text))
+                path.write_text(rendered)
     if args.check and stale:
         sys.exit("out of date (run python scripts/settings_doc.py): "
                  + ", ".join(str(Path(p).relative_to(ROOT)) for p in stale))

@@ -168,13 +168,19 @@ class SelfSpecConfig(SpeculativeConfig):
         self.prompt_lookup_min = 0
         self.draft_model_config = self.target_model_config
         self.draft_parallel_config = self.target_parallel_config
-        for name, value in {**COMMON_DEFAULTS, **self.defaults}.items():
+        for name, value in self.default_values().items():
             if getattr(self, name) is None:
                 setattr(self, name, copy.copy(value))
         self.validate_common_fields()
         self.validate_method_fields()
         if self.target_model_config is not None:
             self._validate_target()
+
+    @classmethod
+    def default_values(cls) -> dict[str, Any]:
+        """The value each field the user and file left unset takes, where a
+        value says it: the common ones, then the method's."""
+        return {**COMMON_DEFAULTS, **cls.defaults}
 
     @classmethod
     def own_fields(cls) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ two exits as one compiled module and returns the exit's head input.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -53,8 +54,11 @@ def model_identity(hf_config: Any, norm_weight: torch.Tensor) -> dict[str, Any]:
     }
 
 
+@functools.lru_cache(maxsize=8)
 def local_final_norm(model: str) -> torch.Tensor | None:
-    """The final norm's weight, read from a local checkpoint (None if remote)."""
+    """The final norm's weight, read from a local checkpoint (None if remote).
+    Kept per path: start-up matches the vocabulary, the heads and their
+    checks against it, each asking once (callers copy, never modify it)."""
     from safetensors import safe_open
 
     for file in sorted(Path(model).glob("*.safetensors")):
