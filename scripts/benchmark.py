@@ -6,7 +6,7 @@ MT-bench questions in the model's chat template; --prompt-set every adds
 GSM-style and copy-heavy requests, reported set by set), one request at a time,
 greedy. Decode tokens/s is taken from vLLM's per-request timestamps (first to
 last token), so prefill is excluded. Results go to
-results/<name>.json and a PNG plot.
+runs/<name>.json and a PNG plot (`$SELFSPEC_RESULTS_DIR` to write elsewhere).
 
     python scripts/benchmark.py --quick            # plain, ngram, recommended (setup's main job)
     python scripts/benchmark.py                    # + ngram, draft_model, full-depth draft
@@ -30,14 +30,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 from vllm_selfspec import prompts as prompt_sets
-from vllm_selfspec.assets import ROOT, cpu_flags, fast_dtype
-from vllm_selfspec.config import CONFIGS_DIR, METHOD_MODULES
-from vllm_selfspec.token_sources import SOURCES
-from vllm_selfspec.workers.draft_payoff import StepCosts, costs_for, fit_round_costs
-from vllm_selfspec.workers.exit_heads import ExitHeads
-from vllm_selfspec.workers.profiling import WORKER_EXTENSION
+from vllm_selfspec.assets import CONFIGS_DIR, ROOT, cpu_flags, fast_dtype
+from vllm_selfspec.assets import RESULTS_DIR as RESULTS
+from vllm_selfspec.config import METHOD_MODULES
+from vllm_selfspec.diagnostics import WORKER_EXTENSION
+from vllm_selfspec.draft.heads import ExitHeads
+from vllm_selfspec.integration.token_sources import SOURCES
+from vllm_selfspec.policy.payoff import StepCosts, costs_for, fit_round_costs
 
-RESULTS = ROOT / "results"
 # Where progress bars, the table and its reading go: the terminal, also when
 # the engines' own logs are sent to a file (`--log-file`).
 CONSOLE = sys.stderr
@@ -305,10 +305,10 @@ def _probe_operands():
 def machine_speed() -> float:
     """GB/s one thread streams through a float32 matrix-vector product over
     256 MB of weights, as a decode step streams its weights. These VMs' slow
-    spells are in memory (thirty-first session: 0.2 GB/s against 11, while
-    cache-resident work ran at full speed), so an engine start during which
-    the probe read slower than during plain's has a ratio that is partly the
-    machine's."""
+    spells are in memory bandwidth while cache-resident work runs at full
+    speed (docs/results/kernels-and-machine.md), so an engine start during
+    which the probe read slower than during plain's has a ratio that is partly
+    the machine's."""
     import torch
 
     weights, vector = _probe_operands()
@@ -436,8 +436,8 @@ def typical_machine_speed(runs: list[Run]) -> float:
 def drifted_starts(runs: list[Run], typical: float) -> list[tuple[Run, int]]:
     """Each (run, start index) during which the probe read the machine more
     than MACHINE_TOLERANCE off `typical`: these VMs slow for minutes at a time
-    (thirty-fifth session: `del` at 0.89 of plain in the start the probe read
-    0.72x), so such a start's ratio is partly the VM's."""
+    (docs/results/kernels-and-machine.md), so such a start's ratio is partly
+    the VM's."""
     return [(run, index) for run in runs for index, speed in enumerate(run.start_machine_speed)
             if abs(speed / typical - 1) > MACHINE_TOLERANCE]
 
@@ -482,9 +482,9 @@ def retake_drifted_starts(runs: list[Run], model_dir: Path, prompts: list[str], 
 
 def unbalanced_first_start(num_engines: int, engine_starts: int) -> str | None:
     """A warning when interleaved engines will not each start first equally
-    often: the engine started first has decoded 2-16 % slower than the rest on
-    these machines (docs/results.md, "The engine started first is the slow
-    one"), which a ratio against it would carry."""
+    often: the engine started first decodes slower than the rest on these
+    machines (docs/results/kernels-and-machine.md), which a ratio against it
+    would carry."""
     if num_engines < 2 or engine_starts % num_engines == 0:
         return None
     return (f"{num_engines} engines interleaved over {engine_starts} start(s): not every "
@@ -861,6 +861,9 @@ def plot_swift_search(run: Run, plain: Run, path: Path, model: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--diagnostics", action="store_true",
+                        help="also print the machine probe, the cost model's c, F and S* and "
+                             "how rounds drafted (self/lookup/none)")
     parser.add_argument("--quick", action="store_true",
                         help="plain, ngram and the recommended setting on 4+4 prompts, "
                              "64 tokens; engine logs to a file")
@@ -902,7 +905,7 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="no torch.compile")
     parser.add_argument("--log-file", type=Path,
                         help="send the engines' logs here (default with --quick: "
-                             "results/logs/<name>.log; otherwise the terminal)")
+                             "runs/logs/<name>.log; otherwise the terminal)")
     parser.add_argument("--batch-size", type=int, default=1,
                         help="requests decoded together (tokens/s then counts all of them)")
     parser.add_argument("--name", help="results file stem")
@@ -987,7 +990,7 @@ def main() -> None:
     grid = static_exit_grid(model_dir, prompts, runs[0], args) if args.del_grid else []
     trace = del_trace(model_dir, prompt_sets.as_chat(
         tokenizer, [prompt_sets.CODE_THEN_STORY])[0], args) if args.del_trace else []
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     command = "python scripts/benchmark.py " + " ".join(
         a for a in os.sys.argv[1:])
     payload = {"command": command.strip(), "model": args.model, "dtype": args.dtype,
@@ -1028,28 +1031,33 @@ def main() -> None:
 
 
 def print_table(rows: list[dict], args, num_prompts: int) -> None:
+    """What a user reads: tokens/s, the speed-up over plain with its spread,
+    acceptance and whether outputs match plain's; with --diagnostics also the
+    machine probe, the cost model's c, F and S*, and how rounds drafted."""
     print(f"\n{args.model} {args.dtype}: decode tokens/s at batch "
           f"{args.batch_size} ({num_prompts} prompts, {args.max_tokens} new tokens, "
           f"{args.repeats} repeats x {args.engine_starts} engine starts"
           f"{', interleaved' if args.interleave else ''}); CPU flags: "
           f"{' '.join(cpu_flags())}", file=CONSOLE)
-    header = ("method", "tok/s", "speed-up", "spread", "machine", "accept", "acc len",
-              "identical", "c", "F", "S*", "meas/S*", "rounds self/lookup/none %")
-    line = "{:<26}{:>7}{:>9}{:>12}{:>8}{:>8}{:>9}{:>10}{:>6}{:>6}{:>6}{:>8}  {}"
+    header = ["method", "tok/s", "speed-up", "spread", "accept", "acc len", "identical"]
+    line = "{:<26}{:>7}{:>9}{:>12}{:>8}{:>9}{:>10}"
+    if args.diagnostics:
+        header += ["machine", "c", "F", "S*", "meas/S*", "rounds self/lookup/none %"]
+        line += "{:>8}{:>6}{:>6}{:>6}{:>8}  {}"
     print(line.format(*header), file=CONSOLE)
     for row in rows:
-        spread = "{:.2f}-{:.2f}".format(*row["speedup_spread"])
-        machine = row.get("machine_vs_plain_starts")
-        print(line.format(
-            row["method"], row["tokens_per_s"], f"{row['speedup']:.2f}x", spread,
-            _fmt(statistics.geometric_mean(machine) if machine else None),
-            _fmt(row["acceptance"]), _fmt(row["mean_accepted_length"]),
-            row["identical_to_plain"], _fmt(row.get("draft_step_cost_ratio")),
-            _fmt(row.get("round_overhead")), _fmt(row.get("ideal_speedup_S*")),
-            _fmt(row.get("measured_over_S*")),
-            "/".join(f"{100 * share:.0f}" for share in row["round_sources"].values())
-            if "round_sources" in row else "-"),
-            file=CONSOLE)
+        cells = [row["method"], row["tokens_per_s"], f"{row['speedup']:.2f}x",
+                 "{:.2f}-{:.2f}".format(*row["speedup_spread"]), _fmt(row["acceptance"]),
+                 _fmt(row["mean_accepted_length"]), row["identical_to_plain"]]
+        if args.diagnostics:
+            machine = row.get("machine_vs_plain_starts")
+            cells += [
+                _fmt(statistics.geometric_mean(machine) if machine else None),
+                _fmt(row.get("draft_step_cost_ratio")), _fmt(row.get("round_overhead")),
+                _fmt(row.get("ideal_speedup_S*")), _fmt(row.get("measured_over_S*")),
+                "/".join(f"{100 * share:.0f}" for share in row["round_sources"].values())
+                if "round_sources" in row else "-"]
+        print(line.format(*cells), file=CONSOLE)
     if "by_prompt_set" in rows[0]:
         print_prompt_sets(rows)
     print(reading(rows, args.dtype), file=CONSOLE)
@@ -1088,24 +1096,21 @@ def print_prompt_sets(rows: list[dict]) -> None:
 
 
 def reading(rows: list[dict], dtype: str) -> str:
-    """One paragraph saying what the table shows."""
+    """The table in one plain sentence (and one more when outputs differ)."""
     best = max(rows[1:], key=lambda row: row["speedup"], default=None)
     if best is None:
         return ""
-    low, high = best["speedup_spread"]
-    text = (f"Reading: the fastest setting here is {best['method']}, {best['speedup']:.2f}x "
-            f"plain vLLM (repeats {low:.2f}-{high:.2f}x)")
+    text = f"\n{best['method']} decodes {best['speedup']:.2f}x as fast as plain vLLM here"
     ngram = next((row for row in rows if row["method"] == "ngram"), None)
     if ngram is not None and ngram is not best:
-        text += f"; vLLM's ngram gives {ngram['speedup']:.2f}x on the same prompts"
-    text += ". 'identical' counts outputs equal to plain vLLM's word for word"
-    if dtype != "float32":
-        text += (f": in {dtype} a verification step scores several tokens at once, "
-                 "whose rounding differs from one-token steps, so a near-tie between two "
-                 "tokens can flip and the text diverge from there (vLLM's own ngram and "
-                 "draft_model do the same); in float32 every method's greedy output "
-                 "equals plain vLLM's token for token (the test suite checks it)")
-    return text + "."
+        text += f" (vLLM's ngram: {ngram['speedup']:.2f}x)"
+    text += f", its outputs identical to plain vLLM's in {best['identical_to_plain']} prompts."
+    same, total = best["identical_to_plain"].split("/")
+    if same != total and dtype != "float32":
+        text += (f" In {dtype} a verification scores several tokens at once and its rounding "
+                 "can flip a near-tie (vLLM's own methods do too); in float32 outputs are "
+                 "identical, which the tests check.")
+    return text
 
 
 def _fmt(value) -> str:

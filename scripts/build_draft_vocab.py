@@ -21,8 +21,8 @@ from pathlib import Path
 
 from vllm_selfspec import prompts as prompt_sets
 from vllm_selfspec.assets import ROOT, fast_dtype
-from vllm_selfspec.draft_vocab import save_vocab, vocab_dir
-from vllm_selfspec.workers.exit_heads import local_final_norm, model_identity
+from vllm_selfspec.draft.heads import local_final_norm, model_identity
+from vllm_selfspec.draft.vocab import save_vocab, vocab_dir
 
 # Benchmarks use the first prompts of each set; calibration and held-out skip them.
 CALIBRATION = {"humaneval": slice(64, 164), "mtbench": slice(40, 80), "gsm_seed": 7}

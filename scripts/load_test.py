@@ -14,7 +14,7 @@ Checked per server:
   request, constrained answers valid;
 - the drafter's per-request state bounded after the run, worker memory.
 Figures (requests, duration, errors, parity, p50/p99 latency, tokens/s,
-preemptions) go to results/<name>.json and a table on stdout.
+preemptions) go to runs/<name>.json and a table on stdout.
 
     python scripts/load_test.py                      # plain, then every method
     python scripts/load_test.py --methods plain,del --duration 60
@@ -37,13 +37,13 @@ from dataclasses import asdict, dataclass, field
 
 import aiohttp
 import requests
+from serving import Server, vllm_serve
 from tqdm import tqdm
 
-from serving import Server, vllm_serve
 from vllm_selfspec import prompts as prompt_sets
+from vllm_selfspec.assets import RESULTS_DIR as RESULTS
 from vllm_selfspec.assets import ROOT
 
-RESULTS = ROOT / "results"
 MODEL_DIR = ROOT / "models" / "smollm2-135m"
 METHOD_SPECS = {
     "draft_verify": {"method": "draft_verify", "config_file": "smollm2-135m"},
@@ -356,6 +356,7 @@ def main() -> None:
         reference = greedy if reference is None else reference
         reports.append(report)
         print_table(reports)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{args.name}.json"
     out.write_text(json.dumps({"command": "python scripts/load_test.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),

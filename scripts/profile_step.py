@@ -11,9 +11,9 @@ between the engine core and the worker) is the step minus the runner's
 pieces. Declined rounds show up as the difference to plain that the drafter
 and its glue cost while drafting nothing. With `--passes N` each engine
 decodes the prompts N times and each pass's speed is shown: on these VMs
-some engines start with a forward 10-20 % slower than others' and speed up
-over minutes (docs/results.md), which a one-pass comparison mistakes for a
-method's cost.
+some engines start with a slower forward than others' and speed up over
+minutes (docs/results/kernels-and-machine.md), which a one-pass comparison
+mistakes for a method's cost.
 
     python scripts/profile_step.py --methods plain,draft_verify,swift,ngram
     python scripts/profile_step.py --methods plain,recommended --batch-size 16 \
@@ -27,12 +27,19 @@ import json
 import os
 from types import SimpleNamespace
 
-from benchmark import (CONSOLE, RESULTS, ROOT, benchmark_prompts,
-                       method_configs, shutdown, start)
+from benchmark import (
+    CONSOLE,
+    RESULTS,
+    ROOT,
+    benchmark_prompts,
+    method_configs,
+    shutdown,
+    start,
+)
 from tqdm import tqdm
 
 from vllm_selfspec.assets import cpu_flags, fast_dtype
-from vllm_selfspec.workers.profiling import DRAFTER_PIECES, RUNNER_PIECES
+from vllm_selfspec.diagnostics import DRAFTER_PIECES, RUNNER_PIECES
 
 
 def batch_decode_time(outputs) -> tuple[int, float]:
@@ -132,6 +139,7 @@ def main() -> None:
                 for p in result["passes"]))
     name = args.name or f"step-pieces-{args.model}-{args.dtype}"
     command = "python scripts/profile_step.py " + " ".join(os.sys.argv[1:])
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(
         {"command": command.strip(), "cpu_flags": cpu_flags(), "model": args.model,
          "dtype": args.dtype, "prompts": len(prompts), "max_tokens": args.max_tokens,

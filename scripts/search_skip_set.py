@@ -22,8 +22,7 @@ import time
 from tqdm import tqdm
 
 from vllm_selfspec import prompts as prompt_sets
-from vllm_selfspec.assets import ROOT, fast_dtype
-from vllm_selfspec.config import CONFIGS_DIR
+from vllm_selfspec.assets import CONFIGS_DIR, ROOT, fast_dtype
 
 
 def decode_seconds_per_token(llm, prompts, max_tokens: int) -> tuple[float, float | None]:
@@ -66,8 +65,8 @@ def main() -> None:
     from transformers import AutoConfig, AutoTokenizer
     from vllm import LLM
 
-    from vllm_selfspec.workers.profiling import WORKER_EXTENSION
-    from vllm_selfspec.workers.skip_search import ucb_acquisition
+    from vllm_selfspec.diagnostics import WORKER_EXTENSION
+    from vllm_selfspec.policy.skip_search import ucb_acquisition
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     model_dir = ROOT / "models" / args.model

@@ -16,8 +16,8 @@ each figure over starts is their geometric mean with the spread.
     python scripts/serve_sweep.py --settings plain,ngram,recommended --concurrency 1,4,16 \
         --temperatures 0,0.8 --starts 3 --name sweep-smollm2
 
-Writes results/<name>.json, results/<name>.md (the table) and
-results/<name>.png (throughput and TPOT against concurrency).
+Writes runs/<name>.json, runs/<name>.md (the table) and
+runs/<name>.png (throughput and TPOT against concurrency).
 """
 
 from __future__ import annotations
@@ -36,10 +36,9 @@ from serving import Server, vllm_serve
 from tqdm import tqdm
 
 from vllm_selfspec import prompts as prompt_sets
-from vllm_selfspec.assets import ROOT, cpu_flags, fast_dtype
-from vllm_selfspec.config import CONFIGS_DIR
+from vllm_selfspec.assets import CONFIGS_DIR, ROOT, cpu_flags, fast_dtype
+from vllm_selfspec.assets import RESULTS_DIR as RESULTS
 
-RESULTS = ROOT / "results"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}
 # vLLM's Dynamic SD: a hand-written k per batch-size range, honoured by the
@@ -282,7 +281,7 @@ def main() -> None:
     (RESULTS / f"{args.name}.md").write_text(report)
     plot(rows, args, RESULTS / f"{args.name}.png")
     print(report)
-    print(f"results/{args.name}.json, .md, .png")
+    print(f"{RESULTS / args.name}.json, .md, .png")
 
 
 if __name__ == "__main__":

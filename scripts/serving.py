@@ -22,7 +22,7 @@ from pathlib import Path
 
 import requests
 
-from vllm_selfspec.workers.profiling import WORKER_EXTENSION
+from vllm_selfspec.diagnostics import WORKER_EXTENSION
 
 
 @dataclass

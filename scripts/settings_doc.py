@@ -29,7 +29,7 @@ from vllm_selfspec.config import (
     SelfSpecConfig,
     config_class_for,
 )
-from vllm_selfspec.workers.lookup import LOOKUP_DEFAULTS, LOOKUP_KEYS
+from vllm_selfspec.draft.lookup import LOOKUP_DEFAULTS, LOOKUP_KEYS
 
 FILES = (ROOT / "docs" / "settings.md", ROOT / "README.md")
 BLOCK = re.compile(r"(<!-- settings:([\w-]+) -->\n)(.*?)(<!-- /settings -->)", re.S)

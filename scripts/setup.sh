@@ -2,11 +2,11 @@
 # Set up vllm-selfspec on a fresh CPU machine and run the main job.
 #   bash scripts/setup.sh            # install, build the default model, run the comparison
 #   bash scripts/setup.sh --no-run   # install and build only (used by scripts/test.sh)
-# Installer and build output goes to results/logs/setup.log; the main job
+# Installer and build output goes to runs/logs/setup.log; the main job
 # prints its progress and one table, and names the file with the engines' logs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-LOG=results/logs/setup.log
+LOG=runs/logs/setup.log
 mkdir -p "$(dirname "$LOG")"
 : > "$LOG"
 

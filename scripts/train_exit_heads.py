@@ -32,9 +32,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from vllm_selfspec import prompts as prompt_sets
-from vllm_selfspec.assets import ROOT, fast_dtype
-from vllm_selfspec.config import CONFIGS_DIR
-from vllm_selfspec.workers.exit_heads import model_identity, save_heads
+from vllm_selfspec.assets import CONFIGS_DIR, ROOT, fast_dtype
+from vllm_selfspec.draft.heads import model_identity, save_heads
 
 BENCHMARK_PROMPTS = 8  # per set; scripts/benchmark.py uses the first ones
 

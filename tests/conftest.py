@@ -140,7 +140,7 @@ def tiny_llama_outputs(tiny_llama_dir, test_prompts) -> list[str]:
 def tensor_parallel_engine(spec: dict, model_dir: Path, monkeypatch):
     """A TP=2 engine of `spec` (mp backend, one core per rank) with the
     plugin's worker methods, stopped afterwards."""
-    from vllm_selfspec.workers.profiling import WORKER_EXTENSION
+    from vllm_selfspec.diagnostics import WORKER_EXTENSION
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     llm = start_engine(spec, model=str(model_dir), tensor_parallel_size=2,
@@ -167,7 +167,7 @@ def identity_heads(path: Path, model_dir: Path, exit_layers: list[int]) -> Path:
     import torch
     from transformers import AutoConfig
 
-    from vllm_selfspec.workers.exit_heads import (
+    from vllm_selfspec.draft.heads import (
         local_final_norm,
         model_identity,
         save_heads,

@@ -24,7 +24,7 @@ from tests.conftest import (
 )
 from tests.test_config import engine_config
 from vllm_selfspec.assets import ROOT
-from vllm_selfspec.workers.profiling import WORKER_EXTENSION
+from vllm_selfspec.diagnostics import WORKER_EXTENSION
 
 # A low threshold: many early tokens, many of them wrong, so verification
 # rejects and rolls back often.

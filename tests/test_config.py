@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from vllm.engine.arg_utils import EngineArgs
 
-from vllm_selfspec.config import CONFIGS_DIR
+from vllm_selfspec.assets import CONFIGS_DIR
 from vllm_selfspec.proposers.draft_verify import DraftVerifyConfig
 
 
@@ -115,7 +115,7 @@ def test_a_method_by_its_name_gets_the_cheap_draft_and_the_shipped_assets(model_
                                                                           method):
     """Nothing but `method`: an int8 copy (on a CPU), the model's shipped
     vocabulary and heads found by its weights, lookups first."""
-    from vllm_selfspec.workers.lookup import LOOKUP_DEFAULTS
+    from vllm_selfspec.draft.lookup import LOOKUP_DEFAULTS
 
     spec = engine_config(model_dir, {"method": method}).speculative_config
     assert spec.draft_precision == "int8"
@@ -201,7 +201,7 @@ def test_shipped_heads_are_whole_for_the_model_they_name(name):
     as at start-up; the weights' identity needs the model, checked then)."""
     from types import SimpleNamespace
 
-    from vllm_selfspec.workers.exit_heads import ExitHeads
+    from vllm_selfspec.draft.heads import ExitHeads
 
     heads = ExitHeads.open(str(CONFIGS_DIR / "heads" / name))
     heads.check_shapes(SimpleNamespace(**heads.meta["model"]))

@@ -18,8 +18,8 @@ from tests.conftest import (
     tensor_parallel_engine,
 )
 from tests.test_config import engine_config
+from vllm_selfspec.diagnostics import WORKER_EXTENSION
 from vllm_selfspec.prompts import CODE_THEN_STORY
-from vllm_selfspec.workers.profiling import WORKER_EXTENSION
 
 # The paper's layer count (step_overhead 0): with the measured fixed cost of a
 # forward, DEL declines to draft with these heads on this model, and there

@@ -22,7 +22,7 @@ from tests.conftest import (
     start_engine,
     stop_engine,
 )
-from vllm_selfspec.workers.profiling import WORKER_EXTENSION
+from vllm_selfspec.diagnostics import WORKER_EXTENSION
 
 FULL_DEPTH = {"method": "draft_verify", "num_speculative_tokens": 4,
               "adaptive_threshold": False, "threshold": 0.0}

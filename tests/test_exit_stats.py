@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_selfspec.workers.exit_stats import ExitStats, tokens_per_layer
+from vllm_selfspec.policy.exit_stats import ExitStats, tokens_per_layer
 
 LAYERS = np.array([8, 15, 22])
 
@@ -108,7 +108,7 @@ def test_top1_is_the_argmax_and_its_softmax_probability():
     """DEL's shadow tokens and confidences come from `top1` over bf16 logits."""
     import torch
 
-    from vllm_selfspec.draft_tokens import top1, top1_probability
+    from vllm_selfspec.draft.tokens import top1, top1_probability
 
     torch.manual_seed(0)
     logits = (torch.randn(5, 1000) * 4).to(torch.bfloat16)

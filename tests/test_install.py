@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_selfspec.assets import ROOT
-from vllm_selfspec.config import CONFIGS_DIR
+from vllm_selfspec.assets import CONFIGS_DIR, ROOT
 
 # Run by the fresh environment's Python, from a directory outside the checkout.
 CHECK = """

@@ -17,7 +17,7 @@ def test_lookup_drafts_continue_an_earlier_match():
     kernel-override scan in test_patches.py cannot walk past.)"""
     import numpy as np
 
-    from vllm_selfspec.workers.lookup import lookup_draft, request_tokens
+    from vllm_selfspec.draft.lookup import lookup_draft, request_tokens
 
     recorded = np.array([5, 1, 2, 3, 4, 9, 9, 1], dtype=np.int32)
     # This step verified [1, 2, 7] (input row 10 onward), kept the draft 2, sampled 3.
@@ -39,7 +39,7 @@ def test_the_matcher_is_compiled_at_start_up_for_vllms_token_dtype():
               "from vllm.v1.spec_decode.ngram_proposer import "
               "_find_longest_matched_ngram_and_propose_tokens as matcher\n"
               "from vllm.v1.worker.gpu_input_batch import InputBatch\n"
-              "from vllm_selfspec.workers.lookup import compile_lookup\n"
+              "from vllm_selfspec.draft.lookup import compile_lookup\n"
               "assert not matcher.signatures\n"
               "compile_lookup(100)\n"
               "batch = InputBatch(max_num_reqs=1, max_model_len=8, max_num_batched_tokens=8,\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import vllm
 
-from vllm_selfspec import patches
+from vllm_selfspec.integration import patches
 
 
 def test_every_patch_target_is_where_vllm_defines_it_and_fits():
@@ -143,8 +143,8 @@ def test_a_steps_drafts_reach_the_scheduler_without_a_second_message():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vllm_selfspec.config import SelfSpecConfig
-    from vllm_selfspec.token_sources import SourcedDraftTokenIds
-    from vllm_selfspec.workers import hooks
+    from vllm_selfspec.integration import hooks
+    from vllm_selfspec.integration.token_sources import SourcedDraftTokenIds
 
     patches.apply_patches()
     drafts = SourcedDraftTokenIds(["r"], [[5, 6]], [True])
@@ -259,7 +259,7 @@ def test_a_step_under_frame_room_maps_no_frame_stack_chunk_per_call():
     `with_frame_room` (as every step runs, hooks.py) no depth does."""
     import resource
 
-    from vllm_selfspec.workers.frame_stack import with_frame_room
+    from vllm_selfspec.integration.frame_stack import with_frame_room
 
     def leaf():
         a = b = c = 0

@@ -4,13 +4,19 @@ the adaptive state gets from a round."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from types import SimpleNamespace
+from typing import NoReturn
+
 import pytest
 
-from vllm_selfspec.proposers.base import verified_feedback
+from vllm_selfspec.assets import ROOT
+from vllm_selfspec.diagnostics import set_option
+from vllm_selfspec.policy.rounds import RoundPolicy, here, verified_feedback
+from vllm_selfspec.policy.skip_search import CompileBudget, TaskSlots, task_name
 from vllm_selfspec.proposers.draft_verify import DraftVerifyConfig, DraftVerifyProposer
 from vllm_selfspec.proposers.swift import export_path
-from vllm_selfspec.workers.skip_search import CompileBudget, TaskSlots, task_name
-from vllm_selfspec.workers.profiling import set_option
 
 
 @pytest.mark.parametrize("key", ["code", "task_1", "A-b", "x" * 64])
@@ -68,6 +74,60 @@ def test_learned_sets_compile_within_a_share_of_the_time():
     assert budget.allows()
 
 
+def round_policy(probe_every: int = 16, share=here) -> RoundPolicy:
+    """A cost-aware round policy whose forwards were not timed (a test that
+    needs stand-in costs gives `forward_times`)."""
+    def untimed() -> NoReturn:
+        raise AssertionError("the policy timed forwards: give it forward_times")
+
+    return RoundPolicy(SimpleNamespace(cost_aware=True, probe_every=probe_every),
+                       max_drafts=4, time_forwards=untimed, share=share)
+
+
+def heavy_imports(module: str) -> str:
+    """Which of torch and vLLM importing `module` loads, in a fresh interpreter."""
+    code = (f"import sys; before = set(sys.modules); import {module}; print(sorted("
+            "{name.split('.')[0] for name in set(sys.modules) - before} & {'torch', 'vllm'}))")
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout.splitlines()[-1]
+
+
+def test_the_round_policy_loads_without_torch_or_vllm():
+    """The round policy is host logic: importing it, and all it imports,
+    loads neither torch nor vLLM (a module that does is seen doing so)."""
+    assert heavy_imports("vllm_selfspec.policy.rounds") == "[]"
+    assert heavy_imports("vllm_selfspec.draft.tokens") == "['torch']"
+
+
+def test_a_round_drops_the_state_of_requests_vllm_no_longer_holds():
+    """A round whose batch or held requests changed drops the records and
+    lookup notes of requests vLLM no longer holds, and names the requests it
+    holds (the method drops its own state by them); a preempted request
+    (held, out of the batch) keeps its record. A round of the same batch
+    and held requests as the one before looks at nothing."""
+    policy = round_policy()
+    batch = ["a", "b", "c"]
+    policy.note_lookups(batch, ["c"])
+    policy.take_feedback(batch, [2, 2, 2], [0, 1, 2], num_tokens=9, started=0.0)
+    assert set(policy.self_records.requests) == {"a", "b"}
+    assert set(policy.lookup_records.requests) == {"c"}
+    assert policy.start_round(batch, set(batch), None, 3, 0.0) == set(batch)  # the first
+    policy.end_round(batch, 0, 0.0, 0.001)
+    assert policy.start_round(batch, set(batch), None, 3, 0.01) is None  # nothing changed
+    policy.end_round(batch, 0, 0.01, 0.011)
+    # "b" preempted, "c" finished: the batch changed.
+    assert policy.start_round(["a"], {"a", "b"}, None, 1, 0.02) == {"a", "b"}
+    assert set(policy.self_records.requests) == {"a", "b"}
+    assert policy.lookup_records.requests == {} and policy.looked_up == set()
+    policy.end_round(["a"], 0, 0.02, 0.021)
+    # The same batch, but "b" finished while out of it.
+    assert policy.start_round(["a"], {"a"}, None, 1, 0.03) == {"a"}
+    assert set(policy.self_records.requests) == {"a"}
+    assert policy.per_request_state() == {"self_records": 1, "lookup_records": 0,
+                                          "looked_up": 0}
+    assert policy.counters.rounds == 4
+
+
 def test_feedback_counts_only_verified_drafts():
     """Request a drafted 4 but vLLM scheduled none (prefill chunk, budget):
     it reports 0 rejected, which is no feedback, not 4 accepted. Request b had
@@ -117,7 +177,7 @@ def test_swift_search_numbers_are_checked_at_start_up(key, value, message):
 
 
 def test_draft_budget_declines_when_drafting_loses_and_probes_again():
-    from vllm_selfspec.workers.draft_payoff import (
+    from vllm_selfspec.policy.payoff import (
         DraftPayoff,
         StepCosts,
         best_budget,
@@ -150,8 +210,12 @@ def test_a_request_stopped_by_a_few_rejections_tries_again():
     request's record forgets in the rounds it drafts nothing, so it drifts
     back to the engine's record and drafts again (not only on probes), while
     where the engine's own record says no, nobody drafts off probes."""
-    from vllm_selfspec.proposers.base import ENGINE_PAYOFF_DECAY, IDLE_DECAY, PAYOFF_DECAY
-    from vllm_selfspec.workers.draft_payoff import AcceptanceRecords, StepCosts
+    from vllm_selfspec.policy.payoff import AcceptanceRecords, StepCosts
+    from vllm_selfspec.policy.rounds import (
+        ENGINE_PAYOFF_DECAY,
+        IDLE_DECAY,
+        PAYOFF_DECAY,
+    )
 
     costs = StepCosts(per_draft=0.6)
     good = AcceptanceRecords(0.6, PAYOFF_DECAY, ENGINE_PAYOFF_DECAY, IDLE_DECAY)
@@ -182,47 +246,44 @@ def test_lookup_length_follows_the_requests_own_lookups():
     target at once looks up nothing but one token on probe rounds, each
     request by its own record; the self-draft's record is left alone. Without
     cost-aware drafting every lookup may run to the cap."""
-    from types import SimpleNamespace
+    from vllm_selfspec.policy.payoff import DraftPayoff, StepCosts
+    from vllm_selfspec.policy.rounds import ENGINE_PAYOFF_DECAY
 
-    from vllm_selfspec.proposers.base import ENGINE_PAYOFF_DECAY, SelfSpecProposer
-    from vllm_selfspec.workers.draft_payoff import DraftPayoff, StepCosts
-
-    proposer = SelfSpecProposer.__new__(SelfSpecProposer)
-    proposer.start_round_state()
-    proposer.options = SimpleNamespace(probe_every=16)
-    proposer.observe_round = lambda *args: None
-    proposer.counters.rounds = 1  # not a probe round
+    policy = round_policy(probe_every=16)
+    policy.counters.rounds = 1  # not a probe round
     # The self-draft's step is dear; verifying one more token is not.
     costs = StepCosts(per_draft=0.8, round_overhead=0.3, per_verified=0.04)
-    first = proposer.lookup_lengths(["copy", "chat"], costs, 12)
+    first = policy.lookup_lengths(["copy", "chat"], costs, 12)
     assert first[0] == first[1] and 1 < first[0] < 12  # the prior, for both
     for _ in range(8):
-        proposer.looked_up = {"copy", "chat"}
-        proposer._take_feedback(["copy", "chat", "self"], [6, 6, 2],
-                                SimpleNamespace(tolist=lambda: [0, 6, 1]))
-    copy, chat, fresh = proposer.lookup_lengths(["copy", "chat", "new"], costs, 12)
+        policy.note_lookups(["copy", "chat", "self"], ["copy", "chat"])
+        feedback = policy.take_feedback(["copy", "chat", "self"], [6, 6, 2], [0, 6, 1],
+                                        num_tokens=17, started=0.0)
+        assert feedback.accepted == {"copy": 6, "chat": 0, "self": 1}
+        assert feedback.self_drafted == [("self", 1, 2)]  # the method hears of self-drafts
+    copy, chat, fresh = policy.lookup_lengths(["copy", "chat", "new"], costs, 12)
     assert copy == 12 and chat == 0
     # A new request starts from the engine's lookup record (half of all
     # lookups accepted here), not from the self-draft's or a fixed prior.
     assert first[0] < fresh < copy
-    assert proposer.lookup_records.engine.accepted > 0
+    assert policy.lookup_records.engine.accepted > 0
     # The engine's self-draft record is "self"'s alone (one accepted, one
     # rejection a round): the lookups stayed out.
     self_only = DraftPayoff()
     for _ in range(8):
         self_only.add_round(1, 1, ENGINE_PAYOFF_DECAY)
-    assert proposer.self_records.engine == self_only
+    assert policy.self_records.engine == self_only
     # Probe rounds are the lookup's own (F + a looked-up token: every 34th
     # round here, where a self-draft probe would come every 110th); lookup
     # records do not forget idle rounds (LOOKUP_PAYOFF_DECAY), so only probes
     # bring "chat" back.
     for rounds, length in ((0, 1), (34, 1), (35, 0), (110, 0), (235, 0)):
-        proposer.counters.rounds = rounds
-        assert proposer.lookup_lengths(["chat"], costs, 12) == [length], rounds
-    assert set(proposer.self_records.requests) == {"self"}  # lookups stay out of it
-    assert proposer.per_request_state() == {"self_records": 1, "lookup_records": 2,
-                                            "looked_up": 2}
-    assert proposer.lookup_lengths(["copy", "chat"], False, 12) == [12, 12]
+        policy.counters.rounds = rounds
+        assert policy.lookup_lengths(["chat"], costs, 12) == [length], rounds
+    assert set(policy.self_records.requests) == {"self"}  # lookups stay out of it
+    assert policy.per_request_state() == {"self_records": 1, "lookup_records": 2,
+                                          "looked_up": 2}
+    assert policy.lookup_lengths(["copy", "chat"], False, 12) == [12, 12]
     # Untimed lookups fall back to a draft token's cost: they stay short.
     assert StepCosts(per_draft=0.8).for_lookup() == StepCosts(0.8, 0.0, 0.8)
 
@@ -231,22 +292,19 @@ def test_feedback_goes_to_the_record_of_the_drafts_verified():
     """vLLM keeps the drafts of a request its token budget leaves out of a
     step and verifies them in a later one: that feedback goes to the record
     of the drafts it had (its lookup), not to whatever the last round did."""
-    from types import SimpleNamespace
-
-    from vllm_selfspec.proposers.base import SelfSpecProposer
-
-    proposer = SelfSpecProposer.__new__(SelfSpecProposer)
-    proposer.start_round_state()
-    proposer.observe_round = lambda *args: None
-    proposer.note_lookups(["copy", "chat"], ["copy"])  # copy looks up, chat self-drafts
-    proposer.note_lookups(["chat"], [])  # copy left out of this step
-    proposer._take_feedback(["copy", "chat"], [5, 2], SimpleNamespace(tolist=lambda: [0, 1]))
-    assert set(proposer.lookup_records.requests) == {"copy"}
-    assert set(proposer.self_records.requests) == {"chat"}
-    assert proposer.lookup_records.engine.accepted == 5
-    assert proposer.self_records.engine.accepted == 1
-    proposer.note_lookups(["copy", "chat"], [])  # both self-draft now
-    assert proposer.looked_up == set()
+    policy = round_policy()
+    policy.note_lookups(["copy", "chat"], ["copy"])  # copy looks up, chat self-drafts
+    policy.note_lookups(["chat"], [])  # copy left out of this step
+    feedback = policy.take_feedback(["copy", "chat"], [5, 2], [0, 1], num_tokens=9,
+                                    started=0.0)
+    assert set(policy.lookup_records.requests) == {"copy"}
+    assert set(policy.self_records.requests) == {"chat"}
+    assert policy.lookup_records.engine.accepted == 5
+    assert policy.self_records.engine.accepted == 1
+    assert feedback.accepted == {"copy": 5, "chat": 1}
+    assert feedback.self_drafted == [("chat", 1, 2)]  # the method hears of chat's alone
+    policy.note_lookups(["copy", "chat"], [])  # both self-draft now
+    assert policy.looked_up == set()
 
 
 def test_rounds_are_timed_as_what_they_ran():
@@ -254,20 +312,17 @@ def test_rounds_are_timed_as_what_they_ran():
     only self-drafted a drafted round, one that did both neither, one that
     verified nothing a plain step; a forward with prefill tokens, or another
     batch, times nothing."""
-    from vllm_selfspec.proposers.base import RoundTiming, SelfSpecProposer
-
-    proposer = SelfSpecProposer.__new__(SelfSpecProposer)
-    proposer.start_round_state()
+    policy = round_policy()
     batch = ["a", "b"]
     cases = [  # previous round: steps, looked up; verified now, tokens now
         (0, True, [3, 2], 7), (2, False, [2, 2], 6), (2, True, [2, 3], 7),
         (0, False, None, 2), (0, True, [3, 2], 9), (2, False, [2, 2], 6)]
     for steps, looked_up, verified, num_tokens in cases:
-        proposer._previous_round = RoundTiming(batch, steps, 0.0, 0.001, looked_up)
-        proposer._time_previous_round(batch, verified, num_tokens, 0.01)
-    proposer._previous_round = RoundTiming(["a"], 0, 0.0, 0.001)
-    proposer._time_previous_round(batch, None, 2, 0.01)  # another batch
-    samples = proposer.clock.samples()
+        policy.end_round(batch, steps, 0.0, 0.001, looked_up)
+        policy.start_round(batch, set(batch), verified, num_tokens, 0.01)
+    policy.end_round(["a"], 0, 0.0, 0.001)
+    policy.start_round(batch, set(batch), None, 2, 0.01)  # another batch
+    samples = policy.clock.samples()
     assert samples["looked_up"] == {2: [(5, 0.01)]}
     assert samples["drafted"] == {2: [(2, 0.01), (2, 0.01)]}
     assert [round(seconds, 6) for _, seconds in samples["plain"][2]] == [0.009]
@@ -279,7 +334,7 @@ def test_lookup_costs_come_from_the_engines_own_lookup_rounds():
     one more verified token costs little) with the engine's v and F_l; one
     lookup length alone, or a line that is not a cost, leaves the costs as
     they were."""
-    from vllm_selfspec.workers.draft_payoff import RoundClock, StepCosts
+    from vllm_selfspec.policy.payoff import RoundClock, StepCosts
 
     plain_s, lookup_overhead, per_verified = 0.02, 0.08, 0.03
     prior = StepCosts(per_draft=0.6, round_overhead=0.2, per_verified=0.0)
@@ -323,7 +378,7 @@ def test_lookup_costs_come_from_the_engines_own_lookup_rounds():
 def test_dear_probes_are_spread_out():
     """A probe that finds nothing costs F + w plain steps: at most a share of
     decoding goes to them, and never more often than probe_every."""
-    from vllm_selfspec.workers.draft_payoff import StepCosts, probe_interval
+    from vllm_selfspec.policy.payoff import StepCosts, probe_interval
 
     assert probe_interval(StepCosts(per_draft=0.1), 16, 0.02) == 16
     assert probe_interval(StepCosts(per_draft=0.84, round_overhead=0.87), 16, 0.02) == 86
@@ -335,8 +390,11 @@ def test_swift_search_scores_only_what_can_pay_and_at_a_bounded_share():
     search waits; where it pays, it runs until the incumbent is within the
     margin of that best case; each step's cost spaces the next so scoring
     takes at most its share of decoding."""
-    from vllm_selfspec.workers.draft_payoff import StepCosts, best_speed
-    from vllm_selfspec.workers.skip_search import rounds_until_next_search, search_outlook
+    from vllm_selfspec.policy.payoff import StepCosts, best_speed
+    from vllm_selfspec.policy.skip_search import (
+        rounds_until_next_search,
+        search_outlook,
+    )
 
     eager = StepCosts(per_draft=0.97, round_overhead=0.1)  # SmolLM2 eager, float32, AVX2
     compiled = StepCosts(per_draft=0.66, round_overhead=0.1)
@@ -356,7 +414,7 @@ def test_batch_drafts_only_when_the_drafting_rows_pay_for_the_whole_batch():
     """A draft step runs every row: at batch 1 the batch's steps are the
     request's own budget; at batch 4 one eager request cannot pay for a step
     the other three wait through, four together can."""
-    from vllm_selfspec.workers.draft_payoff import StepCosts, batch_steps, best_budget
+    from vllm_selfspec.policy.payoff import StepCosts, batch_steps, best_budget
 
     costs = StepCosts(per_draft=0.3, round_overhead=0.1)
     for acceptance in (0.3, 0.7, 0.95):
@@ -373,7 +431,7 @@ def test_round_clock_fits_fixed_and_per_draft_costs_from_steady_rounds():
     count alone leaves F to the rest after the prior's w; the nearest batch
     size's costs serve a batch size never timed in its bucket only; windows
     stay bounded."""
-    from vllm_selfspec.workers.draft_payoff import RoundClock, StepCosts, costs_for
+    from vllm_selfspec.policy.payoff import RoundClock, StepCosts, costs_for
 
     plain_s, overhead, per_draft = 0.02, 0.3, 0.25
     prior = StepCosts(per_draft=0.5)
@@ -439,56 +497,78 @@ def test_round_clock_fits_fixed_and_per_draft_costs_from_steady_rounds():
     assert aged.plain_seconds(1) == 2 * plain_s and aged.fresh_plain_rounds(300) == 1
 
 
-def test_a_repeated_decline_is_what_deciding_would_say(monkeypatch):
+def test_a_repeated_decline_is_what_deciding_would_say():
     """Rounds that repeat the last decline without deciding again
-    (`_repeat_decline`, the cheap path) decline exactly where the full decision
+    (`repeat_decline`, the cheap path) decline exactly where the full decision
     declines, also across a change of batch: probes and cost updates still
     come when they are due."""
     import time
-    from types import SimpleNamespace
 
-    import numpy as np
-
-    from vllm_selfspec.proposers.base import RoundTiming, SelfSpecProposer
-    from vllm_selfspec.workers.draft_payoff import ForwardTimes, StepCosts
+    from vllm_selfspec.policy.payoff import StepCosts
 
     shared = []  # the rounds that shared costs from rank 0
-    tp = SimpleNamespace(rank_in_group=0,
-                         broadcast_object=lambda value, src: shared.append(value) or value)
-    monkeypatch.setattr("vllm.distributed.get_tp_group", lambda: tp)
 
-    def rounds(repeat: bool) -> tuple[list[bool], int]:
+    def rounds(repeat: bool) -> tuple[list[bool], int, int]:
+        """Each round's decline, after a forward that verified nothing, as
+        `SelfSpecProposer.decline_early` runs it without lookups: the repeat
+        first (with `repeat`), else start, decide and end the round."""
         shared.clear()
-        proposer = SelfSpecProposer.__new__(SelfSpecProposer)
-        proposer.start_round_state()
-        proposer.options = SimpleNamespace(lookup=None, cost_aware=True, probe_every=8)
-        proposer.runner = SimpleNamespace(
-            input_batch=SimpleNamespace(req_ids=["a"]), requests={"a": None},
-            discard_request_mask=SimpleNamespace(np=np.zeros(4, dtype=bool)))
-        proposer.forward_times = ForwardTimes((1,), (0.01,), (1,), (0.002,))  # timed
-        proposer.prior_at = lambda batch_size: StepCosts(per_draft=0.2, round_overhead=0.5)
-        repeated = []
-        repeat_decline = proposer._repeat_decline
-        proposer._repeat_decline = lambda num_tokens: repeated.append(
-            repeat and repeat_decline(num_tokens)) or repeated[-1]
-        declined = []
+        policy = round_policy(probe_every=8,
+                              share=lambda make: shared.append(make()) or shared[-1])
+        # Timed at start-up: stand-in costs at which drafting does not pay, so
+        # only probes draft.
+        policy.forward_times = SimpleNamespace(
+            prior_at=lambda batch_size, max_drafts: StepCosts(per_draft=0.2, round_overhead=0.5))
+        req_ids, held = ["a"], {"a": None}
+        declined, repeated = [], 0
         for index in range(400):
             if index == 200:  # a second request joins
-                proposer.runner.input_batch.req_ids = ["a", "b"]
-                proposer.runner.requests = {"a": None, "b": None}
-            req_ids = proposer.runner.input_batch.req_ids
-            declined.append(proposer.decline_early(4, len(req_ids), None))
-            if not declined[-1]:  # a probe: `propose` drafts, nothing verified after
-                proposer._early = None
+                req_ids, held = ["a", "b"], {"a": None, "b": None}
+            if repeat and policy.repeat_decline(req_ids, held, len(req_ids)):
+                repeated += 1
+                declined.append(True)
+                continue
+            started = time.perf_counter()
+            policy.start_round(list(req_ids), held, None, len(req_ids), started)
+            decision = policy.decide(list(req_ids), 4, [True] * len(req_ids))
+            declined.append(decision is None)
+            if decision is None:
+                policy.end_round(list(req_ids), 0, started, time.perf_counter())
+            else:  # a probe: `propose` drafts, nothing verified after
                 now = time.perf_counter()
-                proposer._previous_round = RoundTiming(list(req_ids), 1, now, now)
-        return declined, sum(repeated), len(shared)
+                policy.end_round(list(req_ids), 1, now, now)
+        return declined, repeated, len(shared)
 
     deciding, _, deciding_shared = rounds(repeat=False)
     repeating, repeated, repeating_shared = rounds(repeat=True)
     assert repeated > 300
     assert repeating == deciding and repeating_shared == deciding_shared > 20
     assert 2 <= deciding.count(False) <= 10  # the first timing rounds decline too
+
+
+def test_a_step_vllm_skipped_the_drafter_in_ends_a_run_of_repeated_declines():
+    """After a quiet decline, a step whose drafter vLLM skipped (a request at
+    max_model_len) leaves no previous round: the next round decides again
+    (it raised AttributeError on the missing round before)."""
+    import time
+
+    from vllm_selfspec.policy.payoff import StepCosts
+
+    policy = round_policy(probe_every=8)
+    policy.forward_times = SimpleNamespace(
+        prior_at=lambda batch_size, max_drafts: StepCosts(per_draft=0.2, round_overhead=0.5))
+    req_ids, held = ["a"], {"a": None}
+    for _ in range(80):  # until a decline is quiet (repeatable without deciding)
+        if policy.repeat_decline(req_ids, held, 1):
+            break
+        started = time.perf_counter()
+        policy.start_round(list(req_ids), held, None, 1, started)
+        if policy.decide(list(req_ids), 4, [True]) is None:
+            policy.end_round(list(req_ids), 0, started, time.perf_counter())
+    else:
+        raise AssertionError("no decline was repeated in 80 rounds")
+    policy.skip_round(req_ids)
+    assert policy.repeat_decline(req_ids, held, 1) is False
 
 
 # A start-up's forward times, recorded on the 2-core AVX2 CPU (SmolLM2-135M,
@@ -506,8 +586,8 @@ def test_a_compute_bound_batch_drafts_nothing_and_a_light_one_drafts():
     figure on this model) drafts alone, while a batch of 16 such requests
     (compute-bound: every verified token adds its share of the forward)
     drafts no step; batch 1's costs never stand in at 16."""
-    from vllm_selfspec.proposers.base import MIN_GAIN
-    from vllm_selfspec.workers.draft_payoff import ForwardTimes, batch_steps, best_budget
+    from vllm_selfspec.policy.payoff import ForwardTimes, batch_steps, best_budget
+    from vllm_selfspec.policy.rounds import MIN_GAIN
 
     times = ForwardTimes(**RECORDED_FORWARD_TIMES)
     light, loaded = times.prior_at(1, 12), times.prior_at(16, 12)
@@ -533,7 +613,7 @@ def test_drafting_rounds_measured_slower_than_plain_close_their_batch_size():
     so many rounds, costing at most 1 % of decoding), leaves batch 1, where
     drafting doubled the tokens per second, open, and reopens batch 16 once
     its tries pay."""
-    from vllm_selfspec.workers.draft_payoff import GoodputGate, batch_bucket, reopen_interval
+    from vllm_selfspec.policy.payoff import GoodputGate, batch_bucket, reopen_interval
 
     gate = GoodputGate()
     loaded = [(29, 0.487), (28, 0.511), (29, 0.568), (28, 0.453), (29, 0.540)]
@@ -567,7 +647,7 @@ def test_drafting_rounds_measured_slower_than_plain_close_their_batch_size():
 
 
 def test_forward_times_read_between_and_beyond_the_grid():
-    from vllm_selfspec.workers.draft_payoff import ForwardTimes, timing_grid
+    from vllm_selfspec.policy.payoff import ForwardTimes, timing_grid
 
     assert timing_grid(208) == (1, 4, 16, 64, 208) and timing_grid(1) == (1,)
     times = ForwardTimes(**RECORDED_FORWARD_TIMES)
@@ -585,7 +665,7 @@ def test_drafting_resumes_after_a_slow_spell_of_the_machine():
     plain rounds for `horizon` rounds after the machine recovered, the costs
     are the stand-in's again and the request drafts (within 512 + 16 rounds:
     plain rounds are re-timed at least that often, and costs shared every 16)."""
-    from vllm_selfspec.workers.draft_payoff import RoundClock, StepCosts, best_budget
+    from vllm_selfspec.policy.payoff import RoundClock, StepCosts, best_budget
 
     prior = StepCosts(per_draft=0.3, round_overhead=0.1)
     clock = RoundClock()
@@ -619,7 +699,7 @@ def test_draft_probabilities_one_hot_for_unsampled_drafts_zero_without_a_draft()
     so a pad vLLM verifies leaves the target's own sample."""
     import torch
 
-    from vllm_selfspec.workers.draft_sampling import DraftSampler
+    from vllm_selfspec.draft.sampling import DraftSampler
 
     sampler = DraftSampler(torch.tensor([0.8, 0.0]), {}, batch_size=2, max_drafts=2,
                            vocab_size=4)

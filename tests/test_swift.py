@@ -18,7 +18,7 @@ from tests.conftest import (
     stop_engine,
 )
 from tests.test_config import engine_config
-from vllm_selfspec.workers.profiling import WORKER_EXTENSION
+from vllm_selfspec.diagnostics import WORKER_EXTENSION
 
 # A short window and quick stop so the search runs, and switches the drafting
 # set, inside the test requests.

@@ -151,8 +151,8 @@ def test_mp_backend_int8_draft_over_a_vocabulary_subset(tiny_llama_dir, tiny_lla
     vocabulary, so both ranks draft alike, and the outputs are plain vLLM's."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from vllm_selfspec.draft_vocab import save_vocab
-    from vllm_selfspec.workers.exit_heads import local_final_norm, model_identity
+    from vllm_selfspec.draft.heads import local_final_norm, model_identity
+    from vllm_selfspec.draft.vocab import save_vocab
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     seen = sorted({t for text in tiny_llama_outputs for t in tokenizer.encode(text)})

@@ -8,6 +8,6 @@ __version__ = "0.1.0"
 
 
 def register() -> None:
-    from vllm_selfspec.patches import apply_patches
+    from vllm_selfspec.integration.patches import apply_patches
 
     apply_patches()

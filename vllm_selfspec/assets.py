@@ -8,13 +8,22 @@ gets installed just for its data.
 from __future__ import annotations
 
 import functools
+import importlib.resources
+import os
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# The shipped vocabularies, exit heads and skip sets: package data, so a
+# wheel install finds them as an editable one does.
+CONFIGS_DIR = Path(str(importlib.resources.files("vllm_selfspec") / "configs"))
 WHEEL_CACHE = ROOT / ".cache" / "wheels"
+# Where the scripts write what they measure: runs/ (ignored by git), or the
+# folder $SELFSPEC_RESULTS_DIR names, so a user's run never rewrites the
+# committed results/ that docs/results/ cites.
+RESULTS_DIR = Path(os.environ.get("SELFSPEC_RESULTS_DIR", ROOT / "runs"))
 
 
 def fetch_wheel(requirement: str) -> Path:

@@ -5,9 +5,9 @@ a subclass of it (declared in its own module under `proposers/`) and the
 plugin routes `SpeculativeConfig(method=<ours>, ...)` to that subclass. The
 subclass reports `uses_draft_model()`, which makes vLLM reserve lookahead KV
 slots, run the drafter on the sampled-token tensor, and build our proposer
-where it would build a draft-model proposer (see `patches.py`).
+where it would build a draft-model proposer (see `integration/patches.py`).
 
-This module imports only vLLM's config package, so a pickled config can be
+This module imports only vLLM's config package and `assets.py`, so a pickled config can be
 rebuilt in engine and worker processes before the plugin is loaded there.
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
-import importlib.resources
 import json
 from pathlib import Path
 from typing import Any, ClassVar
@@ -25,6 +24,8 @@ from pydantic import TypeAdapter, ValidationError
 from vllm.config import SpeculativeConfig
 from vllm.config.utils import config
 from vllm.logger import init_logger
+
+from vllm_selfspec.assets import CONFIGS_DIR
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -35,10 +36,6 @@ METHOD_MODULES = {
     "del": "vllm_selfspec.proposers.dynamic_exit",
     "swift": "vllm_selfspec.proposers.swift",
 }
-
-# The shipped vocabularies, exit heads and skip sets: package data, so a
-# wheel install finds them as an editable one does.
-CONFIGS_DIR = Path(str(importlib.resources.files("vllm_selfspec") / "configs"))
 
 # Architectures whose decoder layers the draft engine knows how to run.
 SUPPORTED_ARCHITECTURES = (
@@ -332,7 +329,7 @@ class SelfSpecConfig(SpeculativeConfig):
     def _validate_lookup(self) -> None:
         if self.lookup is False:
             return
-        from vllm_selfspec.workers.lookup import LOOKUP_DEFAULTS
+        from vllm_selfspec.draft.lookup import LOOKUP_DEFAULTS
 
         unknown = sorted(set(self.lookup) - set(LOOKUP_DEFAULTS))
         if unknown:
@@ -350,7 +347,7 @@ class SelfSpecConfig(SpeculativeConfig):
                 ">= 1 (the most tokens one lookup drafts).")
 
     def _validate_draft_weights_for_model(self) -> None:
-        from vllm_selfspec.workers.draft_weights import int4_shape_problem
+        from vllm_selfspec.draft.kernels import int4_shape_problem
 
         model_config = self.target_model_config
         dtype = model_config.dtype
@@ -407,7 +404,7 @@ class SelfSpecConfig(SpeculativeConfig):
         if model_config.quantization is not None:
             return "target", f"the target is already {model_config.quantization}-quantised"
         if current_platform.is_cpu():
-            from vllm_selfspec.workers.draft_weights import int8_runs_fbgemm
+            from vllm_selfspec.draft.kernels import int8_runs_fbgemm
 
             kernel = ("PyTorch's fbgemm kernel: this CPU has no VNNI or AMX"
                       if int8_runs_fbgemm() else "vLLM's int8 kernel")
@@ -428,7 +425,7 @@ class SelfSpecConfig(SpeculativeConfig):
 
     def _automatic_vocab(self) -> tuple[str, str]:
         """The vocabulary shipped for this model, else "full", and why."""
-        from vllm_selfspec.draft_vocab import DraftVocabError, shipped_for
+        from vllm_selfspec.draft.vocab import DraftVocabError, shipped_for
 
         identity = local_identity(self.target_model_config)
         if identity is None:
@@ -439,7 +436,7 @@ class SelfSpecConfig(SpeculativeConfig):
             return "full", "none is shipped for this model"
 
     def _check_draft_vocab(self) -> None:
-        from vllm_selfspec.draft_vocab import DraftVocab, DraftVocabError, shipped_for
+        from vllm_selfspec.draft.vocab import DraftVocab, DraftVocabError, shipped_for
 
         identity = local_identity(self.target_model_config)
         try:
@@ -465,8 +462,8 @@ class SelfSpecConfig(SpeculativeConfig):
         start-up check can only read local checkpoints)."""
         if self.draft_vocab in (None, "full"):
             return None
-        from vllm_selfspec.draft_vocab import DraftVocab, DraftVocabError
-        from vllm_selfspec.workers.exit_heads import model_identity
+        from vllm_selfspec.draft.heads import model_identity
+        from vllm_selfspec.draft.vocab import DraftVocab, DraftVocabError
 
         vocab = DraftVocab.open(str(self.draft_vocab))
         if final_norm is not None:
@@ -480,7 +477,7 @@ class SelfSpecConfig(SpeculativeConfig):
 def local_identity(model_config: Any) -> dict[str, Any] | None:
     """The identity shipped assets are matched by (exit_heads.model_identity),
     read from a local checkpoint; None for a remote one."""
-    from vllm_selfspec.workers.exit_heads import local_final_norm, model_identity
+    from vllm_selfspec.draft.heads import local_final_norm, model_identity
 
     norm_weight = local_final_norm(model_config.model)
     return None if norm_weight is None else model_identity(model_config.hf_config,

@@ -30,7 +30,8 @@ import torch
 from vllm.config.utils import config
 
 from vllm_selfspec.config import SelfSpecConfigError
-from vllm_selfspec.draft_tokens import top1_probability
+from vllm_selfspec.draft.tokens import top1_probability
+from vllm_selfspec.proposers.draft_metadata import window_metadata
 from vllm_selfspec.proposers.early_exit import EarlyExitConfig, EarlyExitProposer
 
 
@@ -77,7 +78,8 @@ class AdaDecodeProposer(EarlyExitProposer):
 
     def draft_step(self, round_tokens, positions, cad, step, drafting):
         batch_size, width = round_tokens.shape
-        window_cad, window_positions = self.window_metadata(cad, positions, width)
+        window_cad, window_positions = window_metadata(cad, positions, width, self.arange,
+                                                       self.token_arange_np, self.block_size)
         _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(
             window_cad, draft_index=step)
         slots = {name: window_cad.slot_mapping for name in self._draft_attn_layer_names}
@@ -98,7 +100,7 @@ class AdaDecodeProposer(EarlyExitProposer):
                 exited |= take
                 if bool(exited.all()):
                     break
-        self.counters.add_step(segment.end)
+        self.policy.counters.add_step(segment.end)
         is_draft = exited & drafting
         return chosen, is_draft
 

@@ -21,9 +21,9 @@ from vllm_selfspec.config import (
     SelfSpecConfigError,
     check_layer_indices,
 )
-from vllm_selfspec.draft_tokens import top1_probability
+from vllm_selfspec.draft.model import LayerPlan
+from vllm_selfspec.draft.tokens import top1_probability
 from vllm_selfspec.proposers.base import SelfSpecProposer
-from vllm_selfspec.workers.draft_model import LayerPlan
 
 
 @config

@@ -1,6 +1,6 @@
 """DEL (Zheng et al., 2025): per request, a dynamic exit layer and speculation
 length for early-exit drafting, chosen every round to maximise tokens per
-loaded layer (the arithmetic is in `workers/exit_stats.py`).
+loaded layer (the arithmetic is in `policy/exit_stats.py`).
 
 Drafts exit after E layers through the exit head at E: the model's own LM
 head (LayerSkip-style models) or trained heads (`heads`, from
@@ -38,10 +38,10 @@ import torch
 from vllm.config.utils import config
 
 from vllm_selfspec.config import SelfSpecConfigError
-from vllm_selfspec.draft_tokens import top1, top1_probability
+from vllm_selfspec.draft.tokens import top1, top1_probability
+from vllm_selfspec.policy.exit_stats import ExitChoice, ExitStats
 from vllm_selfspec.proposers.base import VerifiedTokens
 from vllm_selfspec.proposers.early_exit import EarlyExitConfig, EarlyExitProposer
-from vllm_selfspec.workers.exit_stats import ExitChoice, ExitStats
 
 # Timings per exit layer for the measured step_overhead: a few suffice, as the
 # fit runs through every exit (about a second on SmolLM2, once, at start-up).
@@ -158,7 +158,7 @@ class DelProposer(EarlyExitProposer):
         super().__init__(vllm_config, device, runner=runner)
         if runner is not None:
             # The target returns its candidate layers' states for the shadow
-            # tokens; which layers: `aux_hidden_state_layers` (see patches.py).
+            # tokens; which layers: `aux_hidden_state_layers` (see integration/patches.py).
             runner.use_aux_hidden_state_outputs = True
         self.exit_stats: dict[str, ExitStats] = {}
         self.plan: RoundPlan | None = None
@@ -205,13 +205,13 @@ class DelProposer(EarlyExitProposer):
     def step_overhead(self) -> float:
         """TPL's fixed cost per forward, in layers: the configured one, else
         measured once, at start-up (a line through the draft step's time at
-        each exit, workers/profiling.py), on every rank, rank 0's kept by all."""
+        each exit, diagnostics.py), on every rank, rank 0's kept by all."""
         if self.options.step_overhead is not None:
             return self.options.step_overhead
         if self.measured_overhead is None:
             from vllm.distributed import get_tp_group
 
-            from vllm_selfspec.workers.profiling import measure_exit_costs
+            from vllm_selfspec.diagnostics import measure_exit_costs
 
             fitted = measure_exit_costs(self.runner, repeats=EXIT_TIMING_REPEATS)[
                 "step_overhead_layers"]
@@ -286,7 +286,7 @@ class DelProposer(EarlyExitProposer):
                 if chosen is None:
                     chosen = logits.new_zeros(batch_size, logits.shape[-1])
                 chosen[index] = logits
-        self.counters.add_step(deepest)
+        self.policy.counters.add_step(deepest)
         confidence = top1_probability(chosen)
         return chosen, active & (confidence >= self.plan.thresholds)
 

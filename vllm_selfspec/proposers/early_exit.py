@@ -18,23 +18,23 @@ from vllm.compilation.backends import set_model_tag
 from vllm.config.utils import config
 from vllm.logger import init_logger
 
+from vllm_selfspec.assets import CONFIGS_DIR
 from vllm_selfspec.config import (
-    CONFIGS_DIR,
     METHOD_MODULES,
     SelfSpecConfig,
     SelfSpecConfigError,
     local_identity,
 )
-from vllm_selfspec.models import adapter_for
-from vllm_selfspec.proposers.base import SelfSpecProposer
-from vllm_selfspec.workers.draft_model import key_compile_cache
-from vllm_selfspec.workers.exit_heads import (
+from vllm_selfspec.draft.heads import (
     ExitDraft,
     ExitHeads,
     ExitSegment,
     HeadsFileError,
     model_identity,
 )
+from vllm_selfspec.draft.model import key_compile_cache
+from vllm_selfspec.models import adapter_for
+from vllm_selfspec.proposers.base import SelfSpecProposer
 
 logger = init_logger(f"vllm.{__name__}")
 

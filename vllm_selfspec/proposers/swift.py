@@ -8,7 +8,7 @@ to draft do not search) scores one candidate skip set by its matchness on
 that window: how many of the window's next tokens the candidate's draft
 predicts, in one read-only forward of the window over the target's own paged
 KV (the window's tokens attend to the target's K/V; nothing is written). The
-search (`workers/skip_search.py`) keeps the best set and stops at high
+search (`policy/skip_search.py`) keeps the best set and stops at high
 matchness or when it stalls; its cost is one W-token forward per step while it
 runs and nothing after. With `cost_aware` (the default) the search also pays
 its way: a step scores only where a set matching `stop_matchness` of the
@@ -58,12 +58,11 @@ from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 
 from vllm_selfspec.config import SelfSpecConfig, SelfSpecConfigError
-from vllm_selfspec.draft_tokens import top1_probability
-from vllm_selfspec.proposers.base import MIN_GAIN, SelfSpecProposer, VerifiedTokens
-from vllm_selfspec.workers.draft_model import LayerPlan
-from vllm_selfspec.workers.draft_payoff import StepCosts
-from vllm_selfspec.workers.skip_search import (
-    DEFAULT_TASK,
+from vllm_selfspec.draft.model import LayerPlan
+from vllm_selfspec.draft.tokens import top1_probability
+from vllm_selfspec.policy.payoff import StepCosts
+from vllm_selfspec.policy.rounds import MIN_GAIN
+from vllm_selfspec.policy.skip_search import (
     CompileBudget,
     SearchSettings,
     SkipSet,
@@ -74,6 +73,8 @@ from vllm_selfspec.workers.skip_search import (
     skip_count,
     task_name,
 )
+from vllm_selfspec.proposers.base import SelfSpecProposer, VerifiedTokens
+from vllm_selfspec.proposers.draft_metadata import request_window
 
 TASK_KEY = "selfspec_task"
 # Learned sets compile in at most this share of the time (CompileBudget).
@@ -155,7 +156,7 @@ class SwiftConfig(SelfSpecConfig):
     compile_learned_set: bool | None = None
     """In a compiled engine (not enforce_eager), compile a task's set when its
     search ends, once per task, while requests wait
-    (`scripts/swift_compile.py` times it); false: the set drafts
+    (`scripts/lab/swift_compile.py` times it); false: the set drafts
     uncompiled."""
 
     default_num_speculative_tokens = 25
@@ -251,10 +252,10 @@ class SwiftProposer(SelfSpecProposer):
     def time_costs(self) -> None:
         """Also runs the uncompiled draft once at the scoring window's size and
         at one token (a learned set drafting uncompiled): in a compiled engine
-        its first call traces vLLM's compiled activation, 0.2-1 s a user's
-        request would otherwise wait (docs/results.md)."""
+        its first call traces vLLM's compiled activation, a wait a user's
+        request would otherwise pay."""
         super().time_costs()
-        from vllm_selfspec.workers.profiling import warm_up
+        from vllm_selfspec.diagnostics import warm_up
 
         draft = self.eager_draft(self.drafting_set.plan())
         for num_tokens in sorted({1, self.options.context_window}):
@@ -285,10 +286,10 @@ class SwiftProposer(SelfSpecProposer):
     def begin_round(self, req_ids: list[str], verified: VerifiedTokens) -> None:
         tasks = self.tasks_of(req_ids)
         self.engine_steps += 1
-        costs = (self._timed_costs(req_ids, self.options.num_speculative_tokens)
+        costs = (self.policy.timed_costs(len(req_ids))
                  if self.options.cost_aware else None)  # a drafting round has costs
         if (self.engine_steps % self.options.optimise_every == 0
-                and (costs is None or self.counters.rounds >= self.next_search_round)):
+                and (costs is None or self.policy.counters.rounds >= self.next_search_round)):
             started, frames = time.perf_counter(), compiled_frames()
             scored = self.optimise(req_ids, tasks, verified, costs)
             seconds = time.perf_counter() - started
@@ -377,9 +378,9 @@ class SwiftProposer(SelfSpecProposer):
     def space_search(self, batch_size: int, seconds: float) -> None:
         """The next search step waits until this one's cost (rank 0's, in its
         plain steps) is at most `search_share` of the rounds since."""
-        plain = self.clock.plain_seconds(batch_size)
+        plain = self.policy.clock.plain_seconds(batch_size)
         cost = self.agreed(None if plain is None else seconds / plain)
-        self.next_search_round = self.counters.rounds + rounds_until_next_search(
+        self.next_search_round = self.policy.counters.rounds + rounds_until_next_search(
             cost, self.options.search_share)
 
     def scoring_row(self, task, req_ids, tasks, verified) -> int | None:
@@ -406,7 +407,7 @@ class SwiftProposer(SelfSpecProposer):
         tokens = torch.from_numpy(
             self.runner.input_batch.token_ids_cpu[row, start:start + width + 1]).to(
                 self.device, torch.int64)
-        cad, positions = self.request_window(verified.attn_metadata, row, start, width)
+        cad, positions = request_window(verified.attn_metadata, row, start, width, self.device)
         _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(cad)
         with self.draft_forward_context(per_layer_metadata, width, {}):
             draft = self.eager_draft(skip_set.plan())

@@ -6,7 +6,7 @@ learned set compiled, the compiled draft step and the same set's uncompiled
 step against a plain step (batch 1, profiling mode), and whether the outputs
 after the swap equal those before it.
 
-    python scripts/swift_compile.py --model smollm2-135m
+    python scripts/lab/swift_compile.py --model smollm2-135m
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchmark.py
 
 from benchmark import CONSOLE, RESULTS, ROOT, benchmark_prompts, shutdown, start
 from tqdm import tqdm
@@ -60,7 +63,7 @@ def main() -> None:
     (costs,) = llm.collective_rpc("selfspec_step_costs", kwargs={"uncompiled": True})
     shutdown(llm)
     result = {
-        "command": "python scripts/swift_compile.py " + " ".join(sys.argv[1:]),
+        "command": "python scripts/lab/swift_compile.py " + " ".join(sys.argv[1:]),
         "cpu_flags": cpu_flags(), "model": args.model, "dtype": args.dtype,
         "search_done": report["tasks"]["default"]["done"], "drafting": report["drafting"],
         "compile_seconds": report["compile_seconds"],
@@ -76,6 +79,7 @@ def main() -> None:
           f"(c {costs['uncompiled_cost_ratio']:.2f})")
     print(f"outputs unchanged over {len(passes) + 1} passes: {result['outputs_unchanged']}")
     name = args.name or f"swift-compile-{args.model}-{args.dtype}"
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
 
 

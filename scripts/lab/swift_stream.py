@@ -5,9 +5,9 @@ each tagged with its task (`extra_args={"selfspec_task": ...}`), through plain
 vLLM and through `swift` on the same prompts. Per request: decode tokens/s
 against plain vLLM's for the same request (the instantaneous speed-up), the
 acceptance, and the task's best matchness so far. The share of decode time
-spent optimising is reported. Results: results/<name>.json and .png.
+spent optimising is reported. Results: runs/<name>.json and .png.
 
-    python scripts/swift_stream.py                      # 12 requests per task
+    python scripts/lab/swift_stream.py                      # 12 requests per task
 """
 
 from __future__ import annotations
@@ -16,10 +16,14 @@ import argparse
 import json
 import os
 import statistics
+import sys
+from pathlib import Path
 
-from tqdm import tqdm
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchmark.py
 
 from benchmark import RESULTS, accepted_tokens, decode_time, shutdown, start
+from tqdm import tqdm
+
 from vllm_selfspec import prompts as prompt_sets
 from vllm_selfspec.assets import ROOT, fast_dtype
 
@@ -126,8 +130,8 @@ def main() -> None:
                      for task, search in final["tasks"].items()},
     }
     name = args.name or f"{args.model}-{args.dtype}-swift-stream"
-    RESULTS.mkdir(exist_ok=True)
-    command = "python scripts/swift_stream.py " + " ".join(os.sys.argv[1:])
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    command = "python scripts/lab/swift_stream.py " + " ".join(os.sys.argv[1:])
     (RESULTS / f"{name}.json").write_text(json.dumps(
         {"command": command.strip(), "config": spec, "summary": summary,
          "requests": ours, "plain_tokens_per_s": [r["tokens_per_s"] for r in plain]},

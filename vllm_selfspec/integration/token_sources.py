@@ -25,7 +25,7 @@ from typing import Any
 
 from vllm.v1.outputs import DraftTokenIds
 
-from vllm_selfspec.patches import original
+from vllm_selfspec.integration.patches import original
 
 DRAFT_SOURCES = ("self", "lookup")
 SOURCES = (*DRAFT_SOURCES, "none")  # "none": the round drafted nothing

@@ -20,7 +20,7 @@ import torch.nn as nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 
-from vllm_selfspec.workers.draft_weights import DraftWeights
+from vllm_selfspec.draft.weights import DraftWeights
 
 
 @dataclass(frozen=True)

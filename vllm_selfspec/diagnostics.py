@@ -31,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from vllm_selfspec.workers.draft_payoff import ForwardTimes, timing_grid
+from vllm_selfspec.policy.payoff import ForwardTimes, timing_grid
 
 
 def _in_profiling_mode(step: Callable[[], Any], vllm_config,
@@ -161,7 +161,7 @@ def measure_exit_costs(runner, batch_size: int = 1, repeats: int = 30) -> dict:
             "step_overhead_layers": float(fixed_s / layer_s)}
 
 
-WORKER_EXTENSION = "vllm_selfspec.workers.profiling.SelfSpecWorkerExtension"
+WORKER_EXTENSION = "vllm_selfspec.diagnostics.SelfSpecWorkerExtension"
 
 
 class SelfSpecWorkerExtension:
@@ -228,9 +228,10 @@ class SelfSpecWorkerExtension:
         uses now, and the goodput gate's measured ratios per batch bucket
         (drafting rounds' throughput over plain's) with the closed ones."""
         drafter = self.model_runner.drafter
-        return {**drafter.clock.samples(), **drafter.timed_at_start_up(),
-                "shared": {b: vars(c) for b, c in drafter.shared_costs.items()},
-                "goodput": {"ratios": drafter.gate.ratios(), "closed": drafter.shared_closed}}
+        policy = drafter.policy
+        return {**policy.clock.samples(), **drafter.timed_at_start_up(),
+                "shared": {b: vars(c) for b, c in policy.shared_costs.items()},
+                "goodput": {"ratios": policy.gate.ratios(), "closed": policy.shared_closed}}
 
     def selfspec_time_step_pieces(self, start: bool = False) -> dict | None:
         """Calls and seconds of each timed piece of the runner's steps since
@@ -239,7 +240,7 @@ class SelfSpecWorkerExtension:
 
     def selfspec_counters(self) -> dict:
         """Rounds (target forwards), draft steps and draft layers run so far."""
-        return vars(self.model_runner.drafter.counters).copy()
+        return vars(self.model_runner.drafter.policy.counters).copy()
 
 
 def _ray_actor_id() -> str | None:
@@ -399,7 +400,7 @@ def set_skip_set(worker, attn_skip: list[int], mlp_skip: list[int]) -> str:
     """Make the drafter skip these sub-blocks (used by the skip-set search);
     indices are checked like a config's."""
     from vllm_selfspec.config import check_layer_indices
-    from vllm_selfspec.workers.draft_model import LayerPlan
+    from vllm_selfspec.draft.model import LayerPlan
 
     drafter = worker.model_runner.drafter
     num_layers = drafter.model.plan.num_layers

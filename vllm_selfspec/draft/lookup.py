@@ -19,9 +19,9 @@ import numpy as np
 # A lookup draft is at most `max_tokens` long (and at most the method's
 # num_speculative_tokens): its tokens cost no draft step but each is verified.
 # Cost-aware drafting sizes each request's lookups by their record below that
-# cap (`SelfSpecProposer.lookup_lengths`): long in text that copies long spans,
+# cap (`RoundPolicy.lookup_lengths`): long in text that copies long spans,
 # short where a match's continuation soon parts from the target's
-# (docs/results.md). Without it every lookup may run to the cap.
+# (docs/results/batch1.md). Without it every lookup may run to the cap.
 LOOKUP_DEFAULTS = {"min_match": 2, "max_match": 8, "max_tokens": 12}
 LOOKUP_KEYS = {
     "min_match": "The fewest of a request's last tokens that must have occurred before.",
@@ -37,6 +37,30 @@ def request_tokens(recorded: np.ndarray, step_tokens: list[int], first_row: int,
     the token it sampled."""
     kept = step_tokens[first_row + 1:first_row + 1 + accepted]
     return np.concatenate([recorded, np.asarray([*kept, next_token], dtype=recorded.dtype)])
+
+
+def lookup_drafts(req_ids: list[str], lengths: list[int], discarded: np.ndarray,
+                  token_ids: np.ndarray, num_recorded: np.ndarray, step_tokens: list[int],
+                  first_rows: list[int], next_tokens: list[int], accepted: dict[str, int],
+                  settings: dict[str, int], max_model_len: int) -> dict[int, np.ndarray]:
+    """Each row's lookup draft where the request's own text offers a match,
+    in row order: at most `lengths[row]` tokens (none where that is 0 or
+    vLLM discards the row's sample). A request's tokens are vLLM's record
+    (`token_ids[row, :num_recorded[row]]`), then what the step that just ran
+    accepted and sampled (`request_tokens`, from the step's flat input
+    `step_tokens`, each request's `first_rows` and `next_tokens`); `settings`
+    is the method's `lookup` option."""
+    found: dict[int, np.ndarray] = {}
+    for row, req_id in enumerate(req_ids):
+        if discarded[row] or not lengths[row]:
+            continue
+        context = request_tokens(token_ids[row, :num_recorded[row]], step_tokens,
+                                 first_rows[row], accepted.get(req_id, 0), next_tokens[row])
+        draft = lookup_draft(context, settings["min_match"], settings["max_match"],
+                             max_model_len, lengths[row])
+        if len(draft):
+            found[row] = draft
+    return found
 
 
 def lookup_draft(tokens: np.ndarray, min_match: int, max_match: int, max_model_len: int,

@@ -1,8 +1,8 @@
 """Is the process started first slower, without vLLM?
 
 Interleaved benchmark runs on these VMs show the engine started first in a start
-decoding 2-29 % slower than the others from its first request to its last
-(docs/results.md, "The engine started first is the slow one"). This probe asks
+decoding slower than the others from its first request to its last
+(docs/results/kernels-and-machine.md). This probe asks
 whether that needs vLLM at all: each worker process holds `--weights-gb` of bf16
 weights and decodes like batch-1 vLLM (every weight matrix through `F.linear`
 once per pass, one thread pinned to core 0, as vLLM's CPU worker runs); the
@@ -13,7 +13,7 @@ first (holding that much memory), `--ballast-gb` has this process hold memory
 touched before the workers start, to tell "started first" from "given the
 memory freed last".
 
-    python scripts/start_order_probe.py --weights-gb 5 --starts 4
+    python scripts/lab/start_order_probe.py --weights-gb 5 --starts 4
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ import statistics
 import sys
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchmark.py
 
 import torch
 
@@ -101,7 +104,7 @@ def main() -> None:
                         help="start an idle process holding this much first (0: none)")
     parser.add_argument("--ballast-gb", type=float, default=0.0,
                         help="memory this process touches before the workers start")
-    parser.add_argument("--name", default=None, help="write results/<name>.json")
+    parser.add_argument("--name", default=None, help="write runs/<name>.json")
     args = parser.parse_args()
     print(f"CPU flags: {' '.join(cpu_flags())}")
     rows = []
@@ -119,8 +122,9 @@ def main() -> None:
     if args.name:
         from benchmark import RESULTS
 
+        RESULTS.mkdir(parents=True, exist_ok=True)
         path = RESULTS / f"{args.name}.json"
-        command = "python scripts/start_order_probe.py " + " ".join(sys.argv[1:])
+        command = "python scripts/lab/start_order_probe.py " + " ".join(sys.argv[1:])
         path.write_text(json.dumps({"command": command, "cpu_flags": cpu_flags(), "rows": rows},
                                    indent=1))
         print(f"saved {path}")

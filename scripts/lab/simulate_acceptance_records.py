@@ -1,16 +1,16 @@
 """Simulate cost-aware drafting's acceptance records on requests of known acceptance.
 
 The engine decides each round from a request's decayed acceptance record
-(workers/draft_payoff.py). How fast a record forgets is a trade: short memory
+(policy/payoff.py). How fast a record forgets is a trade: short memory
 follows text that changes, but its noise can stop a request that should draft,
 and a request that drafts nothing gets no feedback to start again. This runs
 the plugin's own `AcceptanceRecords` and budget rules at batch 1 on synthetic
 requests whose every position has a known chance that a draft of it is
 accepted, and reports tokens per plain step against an oracle that knows those
 chances. Costs are in plain steps: 0.6 per draft token is what the engine timed
-for Qwen2.5-Coder-1.5B's int8 draft with the reduced head (docs/results.md).
+for Qwen2.5-Coder-1.5B's int8 draft with the reduced head (docs/results/methods.md).
 
-    python scripts/simulate_acceptance_records.py
+    python scripts/lab/simulate_acceptance_records.py
 """
 
 from __future__ import annotations
@@ -18,19 +18,19 @@ from __future__ import annotations
 import argparse
 import random
 
-from vllm_selfspec.proposers.base import (
+from vllm_selfspec.policy.payoff import (
+    AcceptanceRecords,
+    StepCosts,
+    best_budget,
+    probe_interval,
+)
+from vllm_selfspec.policy.rounds import (
     ENGINE_PAYOFF_DECAY,
     IDLE_DECAY,
     MIN_GAIN,
     PAYOFF_DECAY,
     PRIOR_ACCEPTANCE,
     PROBE_SHARE,
-)
-from vllm_selfspec.workers.draft_payoff import (
-    AcceptanceRecords,
-    StepCosts,
-    best_budget,
-    probe_interval,
 )
 
 MAX_DRAFTS = 12

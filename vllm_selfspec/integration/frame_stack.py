@@ -4,10 +4,8 @@ CPython (3.11 on) keeps a thread's Python frames in 16 KB chunks and unmaps a
 chunk as soon as the frame that opened it returns. On the CPU, vLLM's compiled
 graph calls its attention and KV-cache ops back into Python from inside a
 wrapper frame that nearly fills a chunk, so each such call mapped, faulted and
-unmapped a fresh chunk: 60 times per decoded SmolLM2 token in a plain engine,
-143 times in a DEL engine (whose target graph differs), about 0.7 and 1.9 ms
-of kernel time per 28 ms step, which the fix removed (docs/results.md, "The
-frame stack"). A step run under one frame that opens a large chunk leaves
+unmapped a fresh chunk, dozens of times per decoded token, paid in kernel
+time (docs/results/kernels-and-machine.md). A step run under one frame that opens a large chunk leaves
 every frame below it room: one chunk per step instead of one per op call.
 """
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_selfspec.assets import CONFIGS_DIR
+
 VOCAB_FORMAT = "vllm-selfspec-draft-vocab/1"
 
 
@@ -24,8 +26,6 @@ class DraftVocabError(ValueError):
 
 
 def vocab_dir() -> Path:
-    from vllm_selfspec.config import CONFIGS_DIR
-
     return CONFIGS_DIR / "vocab"
 
 

@@ -36,8 +36,8 @@ from typing import Literal
 
 import numpy as np
 
-from vllm_selfspec.workers.draft_model import LayerPlan
-from vllm_selfspec.workers.draft_payoff import StepCosts, best_speed
+from vllm_selfspec.draft.model import LayerPlan
+from vllm_selfspec.policy.payoff import StepCosts, best_speed
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The replacements that `patches.py` installs into vLLM, each a few lines."""
+"""The replacements that `integration/patches.py` installs into vLLM, each a few lines."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from vllm_selfspec.config import (
     config_class_for,
     method_module,
 )
-from vllm_selfspec.draft_tokens import NO_DRAFT
-from vllm_selfspec.patches import original
-from vllm_selfspec.workers.frame_stack import with_frame_room
+from vllm_selfspec.draft.tokens import NO_DRAFT
+from vllm_selfspec.integration.frame_stack import with_frame_room
+from vllm_selfspec.integration.patches import original
 
 
 def _vllm_methods() -> set[str]:
@@ -54,8 +54,8 @@ def draft_model_proposer_new(cls: type, *args: Any, **kwargs: Any) -> Any:
 
 def take_draft_token_ids(self: Any) -> Any:
     """Cut each request's drafts at the first NO_DRAFT before scheduling, and
-    say which a lookup made (token_sources.py)."""
-    from vllm_selfspec.token_sources import SourcedDraftTokenIds
+    say which a lookup made (integration/token_sources.py)."""
+    from vllm_selfspec.integration.token_sources import SourcedDraftTokenIds
 
     drafts = original(
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "take_draft_token_ids"
@@ -72,7 +72,7 @@ def take_draft_token_ids(self: Any) -> Any:
         row[: row.index(NO_DRAFT)] if NO_DRAFT in row else row
         for row in drafts.draft_token_ids
     ]
-    looked_up = self.drafter.looked_up
+    looked_up = self.drafter.policy.looked_up
     return SourcedDraftTokenIds(drafts.req_ids, rows,
                                 [req_id in looked_up for req_id in drafts.req_ids])
 
@@ -105,7 +105,7 @@ def quantize_linear_before_packing(self: Any, layer: Any) -> None:
     path packs it into oneDNN and frees the tensor right after."""
     from vllm.config.vllm import get_current_vllm_config_or_none
 
-    from vllm_selfspec.workers.draft_weights import stash_low_precision_copy
+    from vllm_selfspec.draft.weights import stash_low_precision_copy
 
     config = get_current_vllm_config_or_none()
     spec = getattr(config, "speculative_config", None)
@@ -142,7 +142,7 @@ def sample_tokens_with_drafts(self: Any, grammar_output: Any) -> Any:
 def execute_model_with_frame_room(self: Any, scheduler_output: Any,
                                   intermediate_tensors: Any = None) -> Any:
     """vLLM's, under a frame with room for the compiled graph's Python op
-    calls (`workers/frame_stack.py`), in every engine: plain vLLM's steps
+    calls (`integration/frame_stack.py`), in every engine: plain vLLM's steps
     map a chunk per op call too, so the plugin's speed-ups are not this."""
     return with_frame_room(original(
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"

@@ -17,9 +17,9 @@ candidates (LayerSkip's rotational curriculum) to bound the LM-head cost.
 Merges the adapters into models/<model>-layerskip (a normal model directory for
 vLLM: `{"method": "del", "exit_layer_stride": 2}` with no heads) and writes the
 held-out agreement of the own LM head at every layer, per prompt set, before and
-after, to results/<model>-layerskip.json and .png.
+after, to runs/<model>-layerskip.json and .png.
 
-    python scripts/train_layerskip.py --model smollm2-135m
+    python scripts/lab/train_layerskip.py --model smollm2-135m
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from torch.nn.utils import parametrize
 from tqdm import tqdm
 from train_exit_heads import BENCHMARK_PROMPTS, generate_data, model_path
 
+from vllm_selfspec.assets import RESULTS_DIR as RESULTS
 from vllm_selfspec.assets import ROOT, fast_dtype
 
-RESULTS = ROOT / "results"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SETS = ("code", "chat", "math")  # the order generate_data's prompts come in
 
@@ -243,7 +243,7 @@ def main() -> None:
     model.eval()
     after = agreement_by_set(model, updates, records, held_out, args.num_prompts)
     record = {
-        "command": "python scripts/train_layerskip.py " + " ".join(sys.argv[1:]),
+        "command": "python scripts/lab/train_layerskip.py " + " ".join(sys.argv[1:]),
         "data": f"own greedy answers (max {args.max_tokens} tokens) to HumanEval, MT-bench, "
                 f"GSM-style: {args.num_prompts} each after the first {BENCHMARK_PROMPTS}",
         "train_sequences": len(train_ids), "held_out_sequences": len(held_out),
@@ -258,10 +258,10 @@ def main() -> None:
             "after": {k: [round(x, 3) for x in v] for k, v in after.items()}},
     }
     save_model(model, updates, base_dir, out_dir, record)
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}-layerskip.json").write_text(json.dumps(record, indent=2))
     plot(RESULTS / f"{name}-layerskip.png", name, before, after)
-    print(f"model: {out_dir}; results/{name}-layerskip.json and .png")
+    print(f"model: {out_dir}; runs/{name}-layerskip.json and .png")
     print(f"{'E':>4}" + "".join(f"{s + ' before':>13}{s + ' after':>12}" for s in SETS))
     for layer in range(num_layers):
         label = "base" if layer == num_layers - 1 else str(layer + 1)

