@@ -5,12 +5,13 @@ with a plain vLLM server before the first start and after each one
 (plain, A, B, plain, A, B, plain, ...: every start bracketed by plain servers
 on the same drifting machine), and vLLM's own harness, `vllm bench serve
 --max-concurrency C`, runs the same chat prompts at every concurrency and
-temperature against it. Per (setting, concurrency, temperature) it keeps output
-tokens/s, median and p99 TPOT and TTFT, vLLM's acceptance counters and the
-share of request-rounds that drafted (`vllm:selfspec_rounds_total`, ours
-only); ratios are over the geometric mean of the two plain servers around
-its start, and
-each figure over starts is their geometric mean with the spread.
+temperature against it, each run after a wave of C warm-up requests
+(`--num-warmups`; the counters below include them). Per (setting,
+concurrency, temperature) it keeps output tokens/s, median and p99 TPOT and
+TTFT, vLLM's acceptance counters and the share of request-rounds that drafted
+(`vllm:selfspec_rounds_total`, ours only); ratios are over the geometric mean
+of the two plain servers around its start, and each figure over starts is
+their geometric mean with the spread.
 
     python scripts/serve_sweep.py                                   # SmolLM2, the default grid
     python scripts/serve_sweep.py --settings plain,ngram,recommended --concurrency 1,4,16 \
@@ -97,6 +98,7 @@ def bench(server: Server, model_dir: Path, prompts: Path, args, concurrency: int
                "--dataset-name", "custom", "--dataset-path", str(prompts),
                "--custom-output-len", str(args.output_tokens),
                "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
+               "--num-warmups", str(concurrency * args.warmup_waves),
                "--temperature", str(temperature), "--seed", "0", "--ignore-eos",
                "--percentile-metrics", "ttft,tpot", "--metric-percentiles", "50,99",
                "--save-result", "--result-dir", str(result.parent),
@@ -245,6 +247,10 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--prompts-per-client", type=int, default=2)
     parser.add_argument("--min-prompts", type=int, default=8)
+    parser.add_argument("--warmup-waves", type=int, default=1,
+                        help="before each measured run, this many waves of --max-concurrency "
+                             "requests that are not measured (vLLM's --num-warmups): a server "
+                             "that has run for a while, as in production, not its first requests")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=int, default=4)
     parser.add_argument("--dtype", default=fast_dtype())
