@@ -35,7 +35,7 @@ from vllm_selfspec.assets import RESULTS_DIR as RESULTS
 from vllm_selfspec.config import METHOD_MODULES
 from vllm_selfspec.diagnostics import WORKER_EXTENSION
 from vllm_selfspec.draft.heads import ExitHeads
-from vllm_selfspec.integration.token_sources import SOURCES
+from vllm_selfspec.integration.token_sources import MECHANISM_SOURCE, SOURCES
 from vllm_selfspec.policy.payoff import StepCosts, costs_for, fit_round_costs
 
 # Where progress bars, the table and its reading go: the terminal, also when
@@ -572,17 +572,29 @@ def del_trace(model_dir: Path, prompt: str, args) -> list[dict]:
 
 def round_sources(request_sources: list[dict]) -> dict:
     """How the requests' rounds drafted (self-draft, lookup, none: declined),
-    as shares of all their rounds, and how many requests used each (our
-    methods' per-request token_sources)."""
-    rounds = Counter()
+    as shares of all their rounds, how many requests used each, and the share
+    of the self-drafted tokens that the method's own mechanism made (skipped
+    layers, an early exit) rather than the full-depth base, with the
+    acceptance of each (our methods' per-request token_sources)."""
+    rounds, tokens = Counter(), Counter()
     for sources in request_sources:
         rounds.update({s: sources.get(f"{s}_rounds", 0) for s in SOURCES})
+        tokens.update({key: value for key, value in sources.items()
+                       if key.endswith(("_drafted", "_accepted"))})
     total = sum(rounds.values())
     if not total:
         return {}
+    mechanism = tokens[f"{MECHANISM_SOURCE}_drafted"]
+    base = tokens["self_drafted"] - mechanism
+    base_accepted = tokens["self_accepted"] - tokens[f"{MECHANISM_SOURCE}_accepted"]
     return {"round_sources": {s: round(n / total, 3) for s, n in rounds.items()},
             "requests_using": {s: sum(bool(r.get(f"{s}_rounds")) for r in request_sources)
-                               for s in rounds}}
+                               for s in rounds},
+            "self_drafts_by_mechanism": (round(mechanism / tokens["self_drafted"], 3)
+                                         if tokens["self_drafted"] else None),
+            "mechanism_acceptance": (round(tokens[f"{MECHANISM_SOURCE}_accepted"] / mechanism, 3)
+                                     if mechanism else None),
+            "base_acceptance": round(base_accepted / base, 3) if base else None}
 
 
 def by_prompt_set(run: Run, plain: Run, labels: list[str]) -> dict[str, dict]:
@@ -1042,8 +1054,9 @@ def print_table(rows: list[dict], args, num_prompts: int) -> None:
     header = ["method", "tok/s", "speed-up", "spread", "accept", "acc len", "identical"]
     line = "{:<26}{:>7}{:>9}{:>12}{:>8}{:>9}{:>10}"
     if args.diagnostics:
-        header += ["machine", "c", "F", "S*", "meas/S*", "rounds self/lookup/none %"]
-        line += "{:>8}{:>6}{:>6}{:>6}{:>8}  {}"
+        header += ["machine", "c", "F", "S*", "meas/S*", "rounds self/lookup/none %",
+                   "mechanism % (acc) / base acc"]
+        line += "{:>8}{:>6}{:>6}{:>6}{:>8}  {:<26}{}"
     print(line.format(*header), file=CONSOLE)
     for row in rows:
         cells = [row["method"], row["tokens_per_s"], f"{row['speedup']:.2f}x",
@@ -1056,13 +1069,23 @@ def print_table(rows: list[dict], args, num_prompts: int) -> None:
                 _fmt(row.get("draft_step_cost_ratio")), _fmt(row.get("round_overhead")),
                 _fmt(row.get("ideal_speedup_S*")), _fmt(row.get("measured_over_S*")),
                 "/".join(f"{100 * share:.0f}" for share in row["round_sources"].values())
-                if "round_sources" in row else "-"]
+                if "round_sources" in row else "-", _mechanism_cell(row)]
         print(line.format(*cells), file=CONSOLE)
     if "by_prompt_set" in rows[0]:
         print_prompt_sets(rows)
     print(reading(rows, args.dtype), file=CONSOLE)
     for warning in machine_warnings(rows):
         print(f"warning: {warning}", file=CONSOLE)
+
+
+def _mechanism_cell(row: dict) -> str:
+    """The share of self-drafts the method's mechanism made, its acceptance,
+    and the full-depth base's acceptance."""
+    share = row.get("self_drafts_by_mechanism")
+    if share is None:
+        return "-"
+    return (f"{100 * share:.0f} ({_fmt(row['mechanism_acceptance'])}) / "
+            f"{_fmt(row['base_acceptance'])}")
 
 
 def machine_warnings(rows: list[dict]) -> list[str]:

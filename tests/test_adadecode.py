@@ -1,7 +1,8 @@
 """AdaDecode on the real engine: lossless greedy and sampling with the shipped
-SmolLM2 heads, no early exits above threshold 1, 100 % acceptance when the
-only exit is the last layer, bad heads refused at start-up, and a training run
-that lowers held-out KL."""
+SmolLM2 heads, early exits drafting some tokens and the full-depth draft the
+rest, only full-depth drafts above threshold 1 (none without `full_depth`),
+100 % acceptance when the only exit is the last layer, bad heads refused at
+start-up, and a training run that lowers held-out KL."""
 
 from __future__ import annotations
 
@@ -48,7 +49,19 @@ def test_sampling_keeps_the_target_distribution(adadecode, plain):
     assert_same_sampling_distribution(adadecode, plain)
 
 
-def test_threshold_above_one_is_plain_decoding(adadecode, plain_outputs, test_prompts):
+def test_early_exits_draft_some_tokens_and_full_depth_the_rest(adadecode, plain_outputs,
+                                                                test_prompts):
+    acceptance = Acceptance()
+    outputs = greedy(adadecode, test_prompts[:8], 8, acceptance=acceptance)
+    assert outputs == plain_outputs[8][:8]
+    sources = acceptance.sources
+    assert 0 < sources["mechanism_drafted"] < sources["self_drafted"] == acceptance.drafted, \
+        sources
+    assert 0 < sources["mechanism_accepted"] < sources["mechanism_drafted"], sources
+
+
+def test_threshold_above_one_drafts_at_full_depth_only(adadecode, plain_outputs,
+                                                       test_prompts):
     adadecode.collective_rpc("selfspec_set_option", args=("threshold", 1.01))
     try:
         acceptance = Acceptance()
@@ -56,6 +69,19 @@ def test_threshold_above_one_is_plain_decoding(adadecode, plain_outputs, test_pr
     finally:
         adadecode.collective_rpc("selfspec_set_option",
                                  args=("threshold", EAGER_EXITS["threshold"]))
+    assert outputs == plain_outputs[8][:8]
+    assert acceptance.accepted == acceptance.drafted > 0, acceptance
+    assert acceptance.sources["mechanism_drafted"] == 0, acceptance
+
+
+def test_without_full_depth_threshold_above_one_is_plain_decoding(plain_outputs,
+                                                                  test_prompts):
+    llm = start_engine({**EAGER_EXITS, "threshold": 1.01, "full_depth": False})
+    try:
+        acceptance = Acceptance()
+        outputs = greedy(llm, test_prompts[:8], 8, acceptance=acceptance)
+    finally:
+        stop_engine(llm)
     assert outputs == plain_outputs[8][:8]
     assert acceptance.drafted == 0
 

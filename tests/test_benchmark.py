@@ -226,12 +226,15 @@ def test_every_prompt_set_takes_turns_request_by_request():
 
 def test_each_prompt_set_is_compared_on_its_own_requests():
     """A set's speed-up is its requests' tokens over their seconds against
-    plain's same requests (every repeat), and its round sources its own."""
+    plain's same requests (every repeat), and its round sources (and the
+    mechanism's share of its self-drafts) its own."""
     labels = ["code", "copy"]
     plain, ours = run_with("plain", [[100, 100]]), run_with("ngram", [[100, 100]])
     plain.request_decode = [(100, 1.0), (100, 1.0)] * 2  # two repeats
     ours.request_decode = [(100, 1.0), (100, 0.5), (100, 1.0), (100, 0.25)]
-    ours.request_sources = [{"self_rounds": 3, "none_rounds": 1},
+    ours.request_sources = [{"self_rounds": 3, "none_rounds": 1, "self_drafted": 8,
+                             "self_accepted": 6, "mechanism_drafted": 2,
+                             "mechanism_accepted": 1},
                             {"lookup_rounds": 2, "none_rounds": 2}]
     plain.request_sources = [{}, {}]
     plain_row, row = summarize([plain, ours], num_layers=30, batch_size=1, labels=labels)
@@ -240,6 +243,12 @@ def test_each_prompt_set_is_compared_on_its_own_requests():
     assert row["by_prompt_set"]["code"]["round_sources"] == {
         "self": 0.75, "lookup": 0.0, "none": 0.25}
     assert row["by_prompt_set"]["copy"]["round_sources"]["lookup"] == 0.5
+    # Of the self-drafts, the mechanism's share and each part's acceptance.
+    code = row["by_prompt_set"]["code"]
+    assert (code["self_drafts_by_mechanism"], code["mechanism_acceptance"],
+            code["base_acceptance"]) == (0.25, 0.5, 0.833)
+    assert row["self_drafts_by_mechanism"] == 0.25
+    assert row["by_prompt_set"]["copy"]["self_drafts_by_mechanism"] is None
     assert "round_sources" not in plain_row["by_prompt_set"]["copy"]
     assert "by_prompt_set" not in summarize([plain, ours], 30, 1, ["code", "code"])[1]
 

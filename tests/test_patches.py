@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import vllm
 
@@ -75,6 +77,40 @@ def test_token_source_counts_cross_from_engine_core_to_front_end():
     assert RequestSpecDecodeMetrics.new(4).token_sources == {}  # a fresh dict each
 
 
+def test_token_sources_count_the_mechanisms_drafts_by_their_codes():
+    """The scheduler labels each request's drafts with the worker's codes, and
+    counts self-drafts, lookups and, within self, the mechanism's drafts
+    (accepted ones are the verified prefix's)."""
+    from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
+
+    from vllm_selfspec.integration import token_sources
+    from vllm_selfspec.integration.token_sources import SourcedDraftTokenIds
+
+    def request():
+        return SimpleNamespace(is_finished=lambda: False, is_prefill_chunk=False,
+                               spec_token_ids=[],
+                               spec_decode_metrics=RequestSpecDecodeMetrics.new(4))
+
+    scheduler = SimpleNamespace(
+        requests={"a": request(), "b": request(), "c": request()}, log_stats=True,
+        num_spec_tokens=4,
+        structured_output_manager=SimpleNamespace(validate_tokens=lambda r, t: t))
+    token_sources.update_draft_token_ids(scheduler, SourcedDraftTokenIds(
+        ["a", "b", "c"], [[1, 2, 3, 4], [5, 6], []], ["mbmb", "ll", ""]))
+    stats = token_sources.make_spec_decoding_stats(scheduler, None, 4, 2, None, "a")
+    stats = token_sources.make_spec_decoding_stats(scheduler, stats, 2, 1, None, "b")
+    counts = {name: r.spec_decode_metrics.token_sources
+              for name, r in scheduler.requests.items()}
+    assert counts["a"] == {"self_rounds": 1, "self_drafted": 4, "self_accepted": 2,
+                           "mechanism_drafted": 2, "mechanism_accepted": 1}
+    assert counts["b"] == {"lookup_rounds": 1, "lookup_drafted": 2, "lookup_accepted": 1}
+    assert counts["c"] == {"none_rounds": 1}
+    assert stats.token_sources == {
+        "self_rounds": 1, "lookup_rounds": 1, "none_rounds": 1, "self_drafted": 4,
+        "self_accepted": 2, "mechanism_drafted": 2, "mechanism_accepted": 1,
+        "lookup_drafted": 2, "lookup_accepted": 1}
+
+
 @pytest.fixture
 def unpatched(monkeypatch):
     """No patch applied for the test; vLLM as installed (the test's
@@ -136,7 +172,6 @@ def test_a_steps_drafts_reach_the_scheduler_without_a_second_message():
     that carried none (a step the worker answered from execute_model) still
     asks, as vLLM does."""
     import pickle
-    from types import SimpleNamespace
 
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -147,7 +182,7 @@ def test_a_steps_drafts_reach_the_scheduler_without_a_second_message():
     from vllm_selfspec.integration.token_sources import SourcedDraftTokenIds
 
     patches.apply_patches()
-    drafts = SourcedDraftTokenIds(["r"], [[5, 6]], [True])
+    drafts = SourcedDraftTokenIds(["r"], [[5, 6]], ["lm"])
     runner = SimpleNamespace(speculative_config=object.__new__(SelfSpecConfig),
                              use_async_scheduling=False, execute_model_state=None,
                              kv_connector_output=None, take_draft_token_ids=lambda: drafts)
@@ -163,7 +198,7 @@ def test_a_steps_drafts_reach_the_scheduler_without_a_second_message():
 
     def ask_worker():
         asked.append(True)
-        return SourcedDraftTokenIds(["r"], [[7]], [False])
+        return SourcedDraftTokenIds(["r"], [[7]], ["b"])
 
     core = SimpleNamespace(
         scheduler=SimpleNamespace(update_draft_token_ids=scheduled.append),
@@ -183,7 +218,6 @@ def test_a_batch_without_drafts_is_prepared_as_plain_vllm_prepares_it(monkeypatc
     out of sight (so no metadata, and the plain sampler), and the config is
     back afterwards, also when preparing fails; batches with drafts, vLLM's
     own methods and hybrid models keep vLLM's path."""
-    from types import SimpleNamespace
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -226,7 +260,6 @@ def test_a_declined_round_skips_vllms_drafting_glue(monkeypatch):
     """When our proposer declines before vLLM's glue, no request gets a draft
     and vLLM's proposing code does not run; otherwise it does, with the
     step's own arguments."""
-    from types import SimpleNamespace
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 

@@ -328,6 +328,34 @@ def test_rounds_are_timed_as_what_they_ran():
     assert [round(seconds, 6) for _, seconds in samples["plain"][2]] == [0.009]
 
 
+def test_the_goodput_gate_scores_drafting_against_several_plain_rounds():
+    """One slow plain round (a new shape's first run, a pause of the machine)
+    must not score a bucket's drafting many times faster than plain: the gate
+    scores only against a median of PLAIN_ROUNDS_FIRST plain rounds or more."""
+    from vllm_selfspec.policy.payoff import batch_bucket
+    from vllm_selfspec.policy.rounds import PLAIN_ROUNDS_FIRST
+
+    policy = round_policy()
+    batch = ["a", "b", "c"]
+
+    def plain_round(seconds: float) -> None:
+        policy.end_round(batch, 0, 0.0, 0.0)
+        policy.start_round(batch, set(batch), None, 3, seconds)
+
+    def drafted_round() -> None:  # 2 steps, 1 accepted each, in a plain round's time
+        policy.end_round(batch, 2, 0.0, 0.01)
+        policy.start_round(batch, set(batch), [2, 2, 2], 9, 0.1)
+        policy.take_feedback(batch, [2, 2, 2], [1, 1, 1], 9, 0.1)
+
+    plain_round(1.0)  # ten times a plain round
+    drafted_round()
+    assert policy.gate.ratios() == {}, "scored against one plain round"
+    for _ in range(PLAIN_ROUNDS_FIRST):
+        plain_round(0.1)
+    drafted_round()
+    assert policy.gate.ratios() == {batch_bucket(3): pytest.approx(2.0)}
+
+
 def test_lookup_costs_come_from_the_engines_own_lookup_rounds():
     """Lookup rounds timed as 1 + F_l + n v plain steps replace the
     profiling-mode share of a looked-up token (forward time, and noise where

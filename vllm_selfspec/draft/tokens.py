@@ -8,6 +8,12 @@ import torch
 # Drafts that stopped early are padded with this id; it is never a real token.
 NO_DRAFT = -1
 
+# Where each draft came from, one character per draft token on its way to the
+# scheduler (`integration/token_sources.py` counts them): a lookup in the
+# request's own text, the method's own mechanism (skipped layers, an early
+# exit), or the full-depth base draft.
+LOOKUP, MECHANISM, BASE = "l", "m", "b"
+
 
 def top1_probability(logits: torch.Tensor) -> torch.Tensor:
     """Each row's largest softmax probability, as exp(max - logsumexp): no

@@ -54,7 +54,7 @@ def draft_model_proposer_new(cls: type, *args: Any, **kwargs: Any) -> Any:
 
 def take_draft_token_ids(self: Any) -> Any:
     """Cut each request's drafts at the first NO_DRAFT before scheduling, and
-    say which a lookup made (integration/token_sources.py)."""
+    say where each came from (integration/token_sources.py)."""
     from vllm_selfspec.integration.token_sources import SourcedDraftTokenIds
 
     drafts = original(
@@ -67,14 +67,13 @@ def take_draft_token_ids(self: Any) -> Any:
         # vLLM skipped the drafter (a request's length plus k would pass
         # max_model_len) and filled every row with token 0: no request drafts.
         return SourcedDraftTokenIds(drafts.req_ids, [[] for _ in drafts.req_ids],
-                                    [False] * len(drafts.req_ids))
+                                    [""] * len(drafts.req_ids))
     rows = [
         row[: row.index(NO_DRAFT)] if NO_DRAFT in row else row
         for row in drafts.draft_token_ids
     ]
-    looked_up = self.drafter.policy.looked_up
     return SourcedDraftTokenIds(drafts.req_ids, rows,
-                                [req_id in looked_up for req_id in drafts.req_ids])
+                                self.drafter.draft_sources(drafts.req_ids, rows))
 
 
 def v2_runner_unsupported_features(self: Any) -> list[str]:

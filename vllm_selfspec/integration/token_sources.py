@@ -1,11 +1,14 @@
 """Where a request's tokens came from: its own self-draft, a lookup in its own
-text, or no draft at all (a round that declined to draft).
+text, or no draft at all (a round that declined to draft); and of the
+self-drafts, how many the method's own mechanism made (skipped layers, an
+early exit: `mechanism`) rather than the full-depth base draft.
 
-The worker knows which requests a round looked up; vLLM's scheduler knows what
-was verified and accepted. So the worker's draft ids carry one flag per request
-(`SourcedDraftTokenIds`), the scheduler labels each request's pending drafts
-with their source, and where vLLM counts a verification it is counted again
-per source:
+The worker knows where each draft came from; vLLM's scheduler knows what was
+verified and accepted. So the worker's draft ids carry one code per draft
+token (`SourcedDraftTokenIds`, codes from `draft/tokens.py`), the scheduler
+labels each request's pending drafts with them, and where vLLM counts a
+verification it is counted again per source (accepted drafts are a prefix of
+the verified ones, so the codes of that prefix say whose they were):
 - per request in `RequestSpecDecodeMetrics.token_sources`, which vLLM returns
   as `metrics.speculative_decoding.token_sources` in each response when the
   server runs with `--per-request-spec-decode-metrics summary`;
@@ -13,8 +16,8 @@ per source:
   the `vllm:selfspec_*` counters on /metrics.
 Declined rounds verify nothing, so the step counts them with the next step
 that verifies a draft. Keys: `<source>_rounds` for source in self, lookup,
-none, and `<source>_drafted`, `<source>_accepted` for self and lookup; a few
-integers per request, gone with the request.
+none, and `<source>_drafted`, `<source>_accepted` for self, lookup and
+mechanism (a part of self); a few integers per request, gone with the request.
 """
 
 from __future__ import annotations
@@ -25,18 +28,21 @@ from typing import Any
 
 from vllm.v1.outputs import DraftTokenIds
 
+from vllm_selfspec.draft.tokens import LOOKUP, MECHANISM
 from vllm_selfspec.integration.patches import original
 
 DRAFT_SOURCES = ("self", "lookup")
 SOURCES = (*DRAFT_SOURCES, "none")  # "none": the round drafted nothing
+# The self-drafts the method's own mechanism made (counted within "self").
+MECHANISM_SOURCE = "mechanism"
 _SCHEDULER = ("vllm.v1.core.sched.scheduler", "Scheduler")
 
 
 @dataclasses.dataclass
 class SourcedDraftTokenIds(DraftTokenIds):
-    """vLLM's draft ids plus, per request, whether a lookup made them."""
+    """vLLM's draft ids plus, per request, one source code per draft."""
 
-    looked_up: list[bool] = dataclasses.field(default_factory=list)
+    sources: list[str] = dataclasses.field(default_factory=list)
 
 
 def add_counts_field(cls: type) -> None:
@@ -72,12 +78,14 @@ def update_draft_token_ids(self: Any, draft_token_ids: DraftTokenIds) -> None:
     original(*_SCHEDULER, "update_draft_token_ids")(self, draft_token_ids)
     if not isinstance(draft_token_ids, SourcedDraftTokenIds):
         return  # not one of our methods
-    for req_id, looked_up in zip(draft_token_ids.req_ids, draft_token_ids.looked_up):
+    for req_id, codes in zip(draft_token_ids.req_ids, draft_token_ids.sources):
         request = self.requests.get(req_id)
         if request is None or request.is_finished() or request.is_prefill_chunk:
             continue
-        source = ("lookup" if looked_up else "self") if request.spec_token_ids else "none"
+        source = (("lookup" if codes.startswith(LOOKUP) else "self")
+                  if request.spec_token_ids else "none")
         request.selfspec_draft_source = source
+        request.selfspec_draft_codes = codes
         _count(self, request, f"{source}_rounds", 1)
 
 
@@ -93,9 +101,15 @@ def make_spec_decoding_stats(self: Any, spec_decoding_stats: Any, num_draft_toke
     request = self.requests.get(request_id)
     source = getattr(request, "selfspec_draft_source", None)
     if source in DRAFT_SOURCES and num_draft_tokens:
-        invalid = (num_invalid_spec_tokens or {}).get(request_id, 0)
-        _count(self, request, f"{source}_drafted", num_draft_tokens - invalid)
+        drafted = num_draft_tokens - (num_invalid_spec_tokens or {}).get(request_id, 0)
+        _count(self, request, f"{source}_drafted", drafted)
         _count(self, request, f"{source}_accepted", num_accepted_tokens)
+        codes = request.selfspec_draft_codes
+        by_mechanism = codes[:drafted].count(MECHANISM)
+        if by_mechanism:
+            _count(self, request, f"{MECHANISM_SOURCE}_drafted", by_mechanism)
+            _count(self, request, f"{MECHANISM_SOURCE}_accepted",
+                   codes[:num_accepted_tokens].count(MECHANISM))
     pending = vars(self).get("selfspec_pending_sources")
     if stats is not None and pending:
         for key, amount in pending.items():

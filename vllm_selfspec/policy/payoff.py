@@ -367,10 +367,12 @@ class RoundClock:
         return statistics.median(seconds for round_index, seconds in self.plain[key]
                                  if newest - round_index < self.horizon)
 
-    def plain_seconds_at(self, batch_size: int) -> float | None:
-        """Median plain round at the nearest batch size measured in the same
-        bucket (`batch_bucket`); None where none is."""
-        key = _nearest_in_bucket(self.plain, batch_size)
+    def plain_seconds_at(self, batch_size: int, min_samples: int = 1) -> float | None:
+        """Median plain round at the nearest batch size in the same bucket
+        (`batch_bucket`) with at least `min_samples` plain rounds timed; None
+        where none is."""
+        key = _nearest_in_bucket({size: samples for size, samples in self.plain.items()
+                                  if len(samples) >= min_samples}, batch_size)
         return None if key is None else self.plain_seconds(key)
 
     def costs(self, prior: StepCosts | Callable[[int], StepCosts],

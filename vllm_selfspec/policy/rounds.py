@@ -370,13 +370,16 @@ class RoundPolicy:
                               accepted_now: dict[str, int]) -> None:
         """Score the round that just ended in the goodput gate, if it verified
         drafts and was steady (the same requests as the one before, no prefill
-        in the forward) and a plain round of its batch is timed: from the start
+        in the forward) and plain rounds of its bucket are timed: from the start
         of its drafting to now, it yielded each request's token and the drafts
         accepted."""
         previous = self._steady_previous_round(req_ids, verified, num_tokens)
         if previous is None or not sum(verified or ()):
             return
-        plain = self.clock.plain_seconds_at(len(req_ids))
+        # Against a median of several plain rounds: one slow plain round (a new
+        # shape's first run, a pause of the machine) would score this bucket's
+        # drafting many times faster than plain and keep it open at a loss.
+        plain = self.clock.plain_seconds_at(len(req_ids), min_samples=PLAIN_ROUNDS_FIRST)
         if plain is not None:
             self.gate.record(len(req_ids), len(req_ids) + sum(accepted_now.values()),
                              started - previous.started, plain)

@@ -2,10 +2,13 @@
 trained exit heads, verified losslessly.
 
 Each draft token runs the target's layers segment by segment and is emitted at
-the first exit head whose top-1 probability exceeds `threshold`; a token no
-head is sure of ends the request's drafts, and the verification forward (all
-layers) produces it, as AdaDecode's last layer does. At most `max_early`
-early tokens are outstanding: that is the round length.
+the first exit head whose top-1 probability exceeds `threshold`. A token no
+head is sure of runs on to the last layer and is drafted there by the model's
+own head (`full_depth`, the default): the full-depth draft over the cheap
+base's weights, so an early exit only ever replaces a dearer draft of the same
+token. With `full_depth: false` such a token ends the request's drafts and the
+verification forward produces it, as AdaDecode's last layer does. At most
+`max_early` drafts are outstanding: that is the round length.
 
 The deeper layers of an early token are deferred, not dropped: the next draft
 step's query holds the whole round so far (the sampled token and every earlier
@@ -16,10 +19,10 @@ hidden state, the window restarts from layer 0: it recomputes a few shallow
 rows instead of keeping per-token state, and costs no extra sequential steps.
 The verification forward completes every layer for all drafts at once.
 
-Drafts are head argmaxes passed without probabilities, so vLLM's rejection
-sampler accepts draft x with probability p_target(x) and resamples from the
-renormalised remainder: the target distribution is kept at any temperature
-(the paper's min(1, p*/p_i) rule with a one-hot p_i).
+Greedy requests' drafts are the exiting head's argmax; a sampled request's
+are drawn from that head's distribution and verified with it (the shared
+`draft_sample_method`), so vLLM's rejection sampler keeps the target
+distribution at any temperature (the paper's min(1, p*/p_i) rule).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from vllm.config.utils import config
 
 from vllm_selfspec.config import SelfSpecConfigError
 from vllm_selfspec.draft.tokens import top1_probability
+from vllm_selfspec.proposers.base import DraftStep
 from vllm_selfspec.proposers.draft_metadata import window_metadata
 from vllm_selfspec.proposers.early_exit import EarlyExitConfig, EarlyExitProposer
 
@@ -47,13 +51,18 @@ class AdaDecodeConfig(EarlyExitConfig):
     fails naming the command that trains them."""
     threshold: float | None = None
     """A token is emitted at the first head whose top-1 probability exceeds
-    this; above 1 nothing exits early (plain decoding)."""
+    this; above 1 nothing exits early (every draft is full depth, or with
+    full_depth false there is none: plain decoding)."""
     max_early: int | None = None
     """The most early predictions outstanding: num_speculative_tokens, under
     the paper's name. Default: num_speculative_tokens's."""
+    full_depth: bool | None = None
+    """A token no head is confident about is drafted by the whole model over
+    the draft's weights, so an early exit only replaces a dearer draft; false:
+    it ends the request's drafts, as in the paper."""
 
     default_num_speculative_tokens = 5
-    defaults = {"threshold": 0.75}
+    defaults = {"threshold": 0.75, "full_depth": True}
 
     def validate_method_fields(self) -> None:
         self.validate_heads_field()
@@ -70,11 +79,17 @@ class AdaDecodeConfig(EarlyExitConfig):
         self.max_early = self.num_speculative_tokens
 
     def method_hash_factors(self) -> list:
-        return [self.heads, self.exit_layers]
+        return [self.heads, self.exit_layers, self.full_depth]
 
 
 class AdaDecodeProposer(EarlyExitProposer):
     options: AdaDecodeConfig
+
+    def segment_ends(self, num_layers: int) -> list[int]:
+        """The exits, then the last layer where tokens no head is sure of go
+        on to it (`full_depth`)."""
+        ends = super().segment_ends(num_layers)
+        return ends + [num_layers] if self.options.full_depth and ends[-1] < num_layers else ends
 
     def draft_step(self, round_tokens, positions, cad, step, drafting):
         batch_size, width = round_tokens.shape
@@ -86,23 +101,27 @@ class AdaDecodeProposer(EarlyExitProposer):
         input_ids = round_tokens.reshape(-1).to(torch.int32)
         newest = torch.arange(width - 1, batch_size * width, width, device=self.device)
         exited = ~drafting  # requests that stopped need no deeper layers
+        early = torch.zeros_like(drafting)  # drafted at a head before the last layer
         chosen = None
         hidden_states = residual = None
+        last_end = self.model.segments[-1].end
         with self.draft_forward_context(per_layer_metadata, batch_size * width, slots):
             for segment in self.model.segments:
                 hidden_states, residual, head_input = segment(
                     input_ids, window_positions, hidden_states, residual)
                 logits = self.model.compute_logits(head_input[newest])
-                confident = top1_probability(logits) > self.options.threshold
-                take = confident & ~exited
+                full_depth = segment.end == last_end and self.options.full_depth
+                take = ~exited if full_depth else (
+                    (top1_probability(logits) > self.options.threshold) & ~exited)
                 chosen = logits if chosen is None else torch.where(
                     take.view(-1, 1), logits, chosen)
+                if not full_depth:
+                    early |= take
                 exited |= take
                 if bool(exited.all()):
                     break
         self.policy.counters.add_step(segment.end)
-        is_draft = exited & drafting
-        return chosen, is_draft
+        return DraftStep(chosen, exited & drafting, by_mechanism=early)
 
 
 CONFIG_CLASS = AdaDecodeConfig

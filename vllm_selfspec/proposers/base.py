@@ -55,12 +55,24 @@ from vllm_selfspec.draft.model import (
     key_compile_cache,
 )
 from vllm_selfspec.draft.sampling import DraftSampler
-from vllm_selfspec.draft.tokens import NO_DRAFT
+from vllm_selfspec.draft.tokens import BASE, LOOKUP, MECHANISM, NO_DRAFT
 from vllm_selfspec.draft.weights import DraftWeights
 from vllm_selfspec.models import adapter_for
 from vllm_selfspec.policy.payoff import ForwardTimes, StepCosts
 from vllm_selfspec.policy.rounds import DraftDecision, RoundPolicy
 from vllm_selfspec.proposers.draft_metadata import decode_metadata
+
+
+@dataclass(frozen=True)
+class DraftStep:
+    """One draft step's result: each request's draft logits, which rows hold a
+    draft (None: every row still drafting), and which drafts the method's own
+    mechanism made (skipped layers, an early exit) rather than the full-depth
+    base (one bool for every row, or a bool tensor per row)."""
+
+    logits: torch.Tensor
+    is_draft: torch.Tensor | None = None
+    by_mechanism: torch.Tensor | bool = False
 
 
 @dataclass(frozen=True)
@@ -101,6 +113,10 @@ class SelfSpecProposer(DraftModelProposer):
         # just ran, in batch order; None when it verified none.
         self._verified_drafts: list[int] | None = None
         self._early: tuple[float, DraftDecision] | None = None  # (started, decided to draft)
+        # This round's self-drafts made by the method's mechanism, per row and
+        # draft ([batch, k] bools on the device; None: the round ran no draft
+        # step), read once the drafts reach the host (`draft_sources`).
+        self._by_mechanism: torch.Tensor | None = None
         # Records, clock, costs, the last round: cost-aware drafting's state.
         self.policy = RoundPolicy(self.options, self.num_speculative_tokens,
                                   self._time_forwards, share=_from_rank_0)
@@ -271,6 +287,7 @@ class SelfSpecProposer(DraftModelProposer):
         a forward that verified drafts (their feedback comes first) or with
         lookup (it needs the sampled tokens): `propose` decides."""
         self._early = None  # a decision is for its own round only
+        self._by_mechanism = None
         if spec_decode_metadata is not None:
             return False  # drafts were verified: feedback first
         policy = self.policy
@@ -308,6 +325,7 @@ class SelfSpecProposer(DraftModelProposer):
         req_ids = list(self.runner.input_batch.req_ids)
         batch_size = len(req_ids)
         self._last_draft_probs = None  # set by a round that samples drafts
+        self._by_mechanism = None  # set by a round that self-drafts
         drafts = torch.full((batch_size, num_speculative_tokens), NO_DRAFT,
                             dtype=torch.int64, device=self.device)
         rows: list[int] = []  # the rows whose drafts are looked up
@@ -400,13 +418,15 @@ class SelfSpecProposer(DraftModelProposer):
                               self.token_arange_np)
         # The round's tokens so far: the sampled token, then each step's draft.
         round_tokens = next_token_ids.view(batch_size, 1)
+        by_mechanism = torch.zeros(drafts.shape, dtype=torch.bool, device=self.device)
         steps_run = 0
         for step in range(decision.steps):
             if budgets is not None:
                 drafting &= budget > step
             steps_run += 1
             positions = self._advance(positions, cad, batch_size)
-            logits, is_draft = self.draft_step(round_tokens, positions, cad, step, drafting)
+            result = self.draft_step(round_tokens, positions, cad, step, drafting)
+            logits, is_draft = result.logits, result.is_draft
             # One float copy for the argmax and the methods' confidence: over
             # bf16 logits the CPU's argmax is a scalar loop, 4x the float one.
             logits = logits.float()
@@ -417,6 +437,7 @@ class SelfSpecProposer(DraftModelProposer):
                 drafting &= is_draft
             # Rows not drafting keep what they have (NO_DRAFT, or a lookup draft).
             drafts[:, step] = torch.where(drafting, token_ids, drafts[:, step])
+            by_mechanism[:, step] = drafting & result.by_mechanism
             if sampler is not None:
                 sampler.keep(step, drafting)
             stop = self.stop_after(req_ids, logits, step)
@@ -426,7 +447,26 @@ class SelfSpecProposer(DraftModelProposer):
                 break
         if sampler is not None:
             self._last_draft_probs = sampler.round_probs(drafts)
+        self._by_mechanism = by_mechanism
         return steps_run
+
+    def draft_sources(self, req_ids: list[str], rows: list[list[int]]) -> list[str]:
+        """Per request, one code per draft of this round's `rows` (the drafts
+        as scheduled): LOOKUP, MECHANISM or BASE (`integration/token_sources.py`).
+        Called once the drafts are on the host, so reading the device mask
+        waits for nothing."""
+        looked_up = self.policy.looked_up
+        by_mechanism = None if self._by_mechanism is None else self._by_mechanism.tolist()
+        codes = []
+        for row, (req_id, drafts) in enumerate(zip(req_ids, rows)):
+            if req_id in looked_up:
+                codes.append(LOOKUP * len(drafts))
+            elif by_mechanism is None:
+                codes.append(BASE * len(drafts))
+            else:
+                codes.append("".join(MECHANISM if made else BASE
+                                     for made in by_mechanism[row][:len(drafts)]))
+        return codes
 
     def prepare_inputs_padded(self, common_attn_metadata, spec_decode_metadata,
                               valid_sampled_tokens_count):
@@ -477,9 +517,10 @@ class SelfSpecProposer(DraftModelProposer):
         cad: CommonAttentionMetadata,
         step: int,
         drafting: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits of each request's next draft, and which of them are drafts
-        (None: all). Default: the newest token through the layer plan."""
+    ) -> DraftStep:
+        """Logits of each request's next draft, which of them are drafts, and
+        which the mechanism made. Default: the newest token through the layer
+        plan (the mechanism's where the plan skips any sub-block)."""
         batch_size = round_tokens.shape[0]
         _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(
             cad, draft_index=step
@@ -493,7 +534,8 @@ class SelfSpecProposer(DraftModelProposer):
             )
         plan = self.model.plan
         self.policy.counters.add_step(plan.fraction_run * plan.num_layers)
-        return self.model.compute_logits(hidden_states[:batch_size]), None
+        return DraftStep(self.model.compute_logits(hidden_states[:batch_size]),
+                         by_mechanism=plan.fraction_run < 1.0)
 
 
 def _cpu_warm_up_skipped() -> bool:

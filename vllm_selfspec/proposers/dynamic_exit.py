@@ -40,7 +40,7 @@ from vllm.config.utils import config
 from vllm_selfspec.config import SelfSpecConfigError
 from vllm_selfspec.draft.tokens import top1, top1_probability
 from vllm_selfspec.policy.exit_stats import ExitChoice, ExitStats
-from vllm_selfspec.proposers.base import VerifiedTokens
+from vllm_selfspec.proposers.base import DraftStep, VerifiedTokens
 from vllm_selfspec.proposers.early_exit import EarlyExitConfig, EarlyExitProposer
 
 # Timings per exit layer for the measured step_overhead: a few suffice, as the
@@ -264,7 +264,7 @@ class DelProposer(EarlyExitProposer):
         flags = active.tolist()
         deepest = max((e for e, on in zip(exit_layers, flags) if on), default=0)
         if deepest == 0:
-            return torch.zeros(batch_size, 1, device=self.device), active
+            return DraftStep(torch.zeros(batch_size, 1, device=self.device), active)
         _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(
             cad, draft_index=step)
         self.input_ids[:batch_size] = round_tokens[:, -1]
@@ -288,7 +288,10 @@ class DelProposer(EarlyExitProposer):
                 chosen[index] = logits
         self.policy.counters.add_step(deepest)
         confidence = top1_probability(chosen)
-        return chosen, active & (confidence >= self.plan.thresholds)
+        num_layers = self.model.plan.num_layers
+        early = torch.tensor([e < num_layers for e in exit_layers], device=self.device)
+        return DraftStep(chosen, active & (confidence >= self.plan.thresholds),
+                         by_mechanism=early)
 
 
 CONFIG_CLASS = DelConfig

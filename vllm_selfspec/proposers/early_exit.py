@@ -167,21 +167,27 @@ class EarlyExitProposer(SelfSpecProposer):
 
     options: EarlyExitConfig
 
+    def segment_ends(self, num_layers: int) -> list[int]:
+        """Where the draft's segments end: at each exit layer."""
+        return list(self.options.exit_layers)
+
     def draft_depth(self, num_layers: int) -> int:
-        return max(self.options.exit_layers)
+        return max(self.segment_ends(num_layers))
 
     def build_draft(self, num_layers: int) -> nn.Module:
         adapter = adapter_for(self.target_model)
-        transforms: dict[int, torch.Tensor | None] = dict.fromkeys(
-            self.options.exit_layers)
+        ends = self.segment_ends(num_layers)
+        # An end without a trained transform exits through the model's own
+        # final norm and head (the last layer's is the full-depth draft).
+        transforms: dict[int, torch.Tensor | None] = dict.fromkeys(ends)
         if self.options.trained_heads is not None:
             heads = ExitHeads.open(self.options.trained_heads)
             decoder = adapter.decoder(self.target_model)
             hf_config = self.vllm_config.model_config.hf_config
             heads.check_identity(model_identity(hf_config, decoder.norm.weight))
-            transforms = heads.transforms(self.options.exit_layers)
+            transforms.update(heads.transforms(self.options.exit_layers))
         segments, start = [], 0
-        for end in self.options.exit_layers:
+        for end in ends:
             with set_model_tag(f"selfspec_exit_{end}"):
                 segment = ExitSegment(
                     vllm_config=self.vllm_config, target=self.target_model,
