@@ -101,16 +101,20 @@ class AdaDecodeProposer(EarlyExitProposer):
         input_ids = round_tokens.reshape(-1).to(torch.int32)
         newest = torch.arange(width - 1, batch_size * width, width, device=self.device)
         exited = ~drafting  # requests that stopped need no deeper layers
-        early = torch.zeros_like(drafting)  # drafted at a head before the last layer
+        early = torch.zeros_like(drafting)  # drafted at an exit head (the mechanism)
         chosen = None
         hidden_states = residual = None
-        last_end = self.model.segments[-1].end
+        # The segment `segment_ends` added past the heads' exits (full_depth):
+        # every token still undecided there is drafted, by the base.
+        fallback_end = self.model.segments[-1].end
+        if fallback_end in self.options.exit_layers:
+            fallback_end = None
         with self.draft_forward_context(per_layer_metadata, batch_size * width, slots):
             for segment in self.model.segments:
                 hidden_states, residual, head_input = segment(
                     input_ids, window_positions, hidden_states, residual)
                 logits = self.model.compute_logits(head_input[newest])
-                full_depth = segment.end == last_end and self.options.full_depth
+                full_depth = segment.end == fallback_end
                 take = ~exited if full_depth else (
                     (top1_probability(logits) > self.options.threshold) & ~exited)
                 chosen = logits if chosen is None else torch.where(
