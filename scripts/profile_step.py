@@ -27,18 +27,13 @@ import json
 import os
 from types import SimpleNamespace
 
-from benchmark import (
-    CONSOLE,
-    RESULTS,
-    ROOT,
-    benchmark_prompts,
-    method_configs,
-    shutdown,
-    start,
-)
+from bench.presets import method_configs
+from bench.runner import CONSOLE, shutdown, start
+from bench.workload import benchmark_prompts
 from tqdm import tqdm
 
-from vllm_selfspec.assets import cpu_flags, fast_dtype
+from vllm_selfspec.assets import RESULTS_DIR as RESULTS
+from vllm_selfspec.assets import ROOT, cpu_flags, fast_dtype
 from vllm_selfspec.diagnostics import DRAFTER_PIECES, RUNNER_PIECES
 
 

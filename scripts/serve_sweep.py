@@ -25,43 +25,32 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import requests
+from bench.plots import plot_serving
+from bench.presets import NGRAM, NGRAM_DYNAMIC, SUFFIX, recommended_config
+from bench.report import serving_table
 from serving import Server, vllm_serve
 from tqdm import tqdm
 
 from vllm_selfspec import prompts as prompt_sets
-from vllm_selfspec.assets import CONFIGS_DIR, ROOT, cpu_flags, fast_dtype
+from vllm_selfspec.assets import ROOT, cpu_flags, fast_dtype
 from vllm_selfspec.assets import RESULTS_DIR as RESULTS
-
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-         "prompt_lookup_min": 2}
-# vLLM's Dynamic SD: a hand-written k per batch-size range, honoured by the
-# V1 scheduler (`Scheduler.schedule`'s `num_spec_tokens_to_schedule`), so by
-# the CPU runner too.
-NGRAM_DYNAMIC = {**NGRAM, "num_speculative_tokens_per_batch_size":
-                 [[1, 2, 4], [3, 8, 2], [9, 1024, 1]]}
-SUFFIX = {"method": "suffix"}
 
 
 def settings_for(model: str) -> dict[str, dict | None]:
     """Every setting the sweep knows, by name; each method at its defaults
     (the shipped vocabulary and heads are found by the model's weights)."""
-    vocab = {"draft_vocab": model} if (CONFIGS_DIR / "vocab" / f"{model}.json").exists() else {}
     return {
         "plain": None,
         "ngram": NGRAM,
         "ngram_dynamic": NGRAM_DYNAMIC,
         "suffix": SUFFIX,
-        # draft_verify's defaults, spelled out as the README's table has them.
-        "recommended": {"method": "draft_verify", "draft_precision": "int8", **vocab,
-                        "lookup": {}},
+        "recommended": recommended_config(model),
         "draft_verify": {"method": "draft_verify"},
         "swift": {"method": "swift"},
         "del": {"method": "del"},
@@ -144,95 +133,6 @@ def measure(name: str, spec: dict | None, model_dir: Path, prompts: Path, args,
     return rows
 
 
-def geomean(values: list[float]) -> float:
-    return math.exp(statistics.fmean(math.log(v) for v in values))
-
-
-def ratios(rows: list[dict]) -> dict[tuple[str, int, float], list[float]]:
-    """Each setting's throughput over the geometric mean of the plain servers
-    run just before and just after its start (plain's `start` s and s + 1),
-    per start."""
-    found: dict[tuple[str, int, float], list[float]] = {}
-    for row in rows:
-        if row["setting"] == "plain":
-            continue
-        plain = [r for r in rows if r["setting"] == "plain"
-                 and r["start"] in (row["start"], row["start"] + 1)
-                 and r["concurrency"] == row["concurrency"]
-                 and r["temperature"] == row["temperature"]]
-        key = (row["setting"], row["concurrency"], row["temperature"])
-        found.setdefault(key, []).append(
-            row["output_throughput"] / geomean([r["output_throughput"] for r in plain]))
-    return found
-
-
-def table(rows: list[dict], args) -> str:
-    found = ratios(rows)
-    lines = [f"`{' '.join(sys.argv)}` · CPU flags: {' '.join(cpu_flags()) or 'none'} · "
-             f"{args.dtype} · {args.starts} start(s)", "",
-             "| setting | temperature | " + " | ".join(f"C={c}" for c in args.concurrency) + " |",
-             "|---|---|" + "---|" * len(args.concurrency)]
-    for setting in [s for s in args.settings if s != "plain"]:
-        for temperature in args.temperatures:
-            cells = []
-            for concurrency in args.concurrency:
-                values = found.get((setting, concurrency, temperature))
-                if not values:
-                    cells.append("-")
-                    continue
-                mine = [r for r in rows if r["setting"] == setting
-                        and r["concurrency"] == concurrency and r["temperature"] == temperature]
-                share = [r["drafted_share"] for r in mine if r["drafted_share"] is not None]
-                acc = [r["acceptance"] for r in mine if r["acceptance"] is not None]
-                spread = f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else ""
-                extra = []
-                if acc:
-                    extra.append(f"acc {statistics.fmean(acc):.2f}")
-                if share:
-                    extra.append(f"drafted {statistics.fmean(share):.0%}")
-                cells.append(f"**{geomean(values):.2f}x**{spread}"
-                             + (f"<br>{', '.join(extra)}" if extra else ""))
-            lines.append(f"| {setting} | {temperature} | " + " | ".join(cells) + " |")
-    plain = [r for r in rows if r["setting"] == "plain"]
-    lines += ["", "Plain vLLM's output tokens/s (median TPOT ms) per concurrency, over its servers: "
-              + "; ".join(
-                  f"T={t} C={c}: " + ", ".join(
-                      f"{r['output_throughput']:.1f} ({r['median_tpot_ms']:.0f})"
-                      for r in plain if r["concurrency"] == c and r["temperature"] == t)
-                  for t in args.temperatures for c in args.concurrency)]
-    return "\n".join(lines) + "\n"
-
-
-def plot(rows: list[dict], args, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(len(args.temperatures), 2, squeeze=False,
-                                figsize=(11, 4 * len(args.temperatures)))
-    for line, temperature in enumerate(args.temperatures):
-        for column, (metric, label) in enumerate((("output_throughput", "output tokens/s"),
-                                                  ("median_tpot_ms", "median TPOT (ms)"))):
-            axis = axes[line][column]
-            for setting in args.settings:
-                points = [(c, geomean([r[metric] for r in rows if r["setting"] == setting
-                                       and r["concurrency"] == c
-                                       and r["temperature"] == temperature]))
-                          for c in args.concurrency
-                          if any(r["setting"] == setting and r["concurrency"] == c
-                                 and r["temperature"] == temperature for r in rows)]
-                if points:
-                    axis.plot(*zip(*points), marker="o", label=setting)
-            axis.set_xscale("log", base=2)
-            axis.set_xlabel("requests in flight (--max-concurrency)")
-            axis.set_ylabel(label)
-            axis.set_title(f"{args.model}, temperature {temperature}")
-            axis.grid(alpha=0.3)
-            axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help="name under models/")
@@ -283,9 +183,9 @@ def main() -> None:
             (RESULTS / f"{args.name}.json").write_text(json.dumps(
                 {"argv": sys.argv, "cpu_flags": cpu_flags(), "dtype": args.dtype,
                  "rows": rows}, indent=1))
-    report = table(rows, args)
+    report = serving_table(rows, args)
     (RESULTS / f"{args.name}.md").write_text(report)
-    plot(rows, args, RESULTS / f"{args.name}.png")
+    plot_serving(rows, args, RESULTS / f"{args.name}.png")
     print(report)
     print(f"{RESULTS / args.name}.json, .md, .png")
 

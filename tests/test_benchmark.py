@@ -7,24 +7,20 @@ import io
 from collections import Counter
 from types import SimpleNamespace
 
-import benchmark
 import pytest
-from benchmark import (
-    Run,
-    benchmark_requests,
+from bench import machine
+from bench.machine import (
     drifted_starts,
     engine_order,
-    keep_nearer,
     machine_speed,
-    machine_warnings,
-    method_configs,
-    print_table,
-    prompt_set_names,
-    summarize,
     turns,
     typical_machine_speed,
     unbalanced_first_start,
 )
+from bench.presets import method_configs
+from bench.report import machine_warnings, print_table, summarize
+from bench.runner import CONSOLE, Run, keep_nearer
+from bench.workload import benchmark_requests, prompt_set_names
 from vllm.engine.arg_utils import EngineArgs
 
 
@@ -151,8 +147,8 @@ def test_machine_speed_is_a_bandwidth_in_gb_per_s(monkeypatch):
 
     threads = torch.get_num_threads()
     clock = iter([10.0, 12.0])
-    monkeypatch.setattr(benchmark.time, "perf_counter", lambda: next(clock, 12.0))
-    assert machine_speed() == pytest.approx(2 * benchmark.PROBE_BYTES / 1e9)
+    monkeypatch.setattr(machine.time, "perf_counter", lambda: next(clock, 12.0))
+    assert machine_speed() == pytest.approx(2 * machine.PROBE_BYTES / 1e9)
     assert torch.get_num_threads() == threads
 
 
@@ -286,7 +282,7 @@ def test_the_main_jobs_table_is_speed_acceptance_and_parity_in_one_sentence(diag
     args = SimpleNamespace(model="m", dtype="float32", batch_size=1, max_tokens=8, repeats=1,
                            engine_starts=1, interleave=False, diagnostics=diagnostics)
     console = io.StringIO()
-    monkeypatch.setattr(benchmark, "CONSOLE", console)
+    monkeypatch.setattr(CONSOLE, "stream", console)
     print_table(rows, args, num_prompts=2)
     out = console.getvalue().splitlines()
     header = next(line for line in out if line.startswith("method"))

@@ -28,7 +28,7 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchmark.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the bench package
 
 import torch
 
@@ -69,7 +69,7 @@ def spawn_worker(context, weights_gb: float) -> tuple[multiprocessing.Process, C
 def run_start(start: int, args: argparse.Namespace) -> list[dict]:
     """One start: workers started in this start's order, then `--turns` turns."""
     # Imported here: spawned workers import this module and need only torch, not vLLM.
-    from benchmark import turns
+    from bench.machine import turns
 
     context = multiprocessing.get_context("spawn")
     ballast = torch.ones(int(args.ballast_gb * 2**28)) if args.ballast_gb else None
@@ -120,7 +120,7 @@ def main() -> None:
         penalty = first["median_s"] / statistics.mean(rest) - 1
         print(f"start {first['start']}: first-started {penalty:+.1%} against the others")
     if args.name:
-        from benchmark import RESULTS
+        from vllm_selfspec.assets import RESULTS_DIR as RESULTS
 
         RESULTS.mkdir(parents=True, exist_ok=True)
         path = RESULTS / f"{args.name}.json"

@@ -19,12 +19,14 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchmark.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the bench package
 
-from benchmark import CONSOLE, RESULTS, ROOT, benchmark_prompts, shutdown, start
+from bench.runner import CONSOLE, shutdown, start
+from bench.workload import benchmark_prompts
 from tqdm import tqdm
 
-from vllm_selfspec.assets import cpu_flags, fast_dtype
+from vllm_selfspec.assets import RESULTS_DIR as RESULTS
+from vllm_selfspec.assets import ROOT, cpu_flags, fast_dtype
 
 
 def main() -> None:

@@ -19,12 +19,13 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchmark.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the bench package
 
-from benchmark import RESULTS, accepted_tokens, decode_time, shutdown, start
+from bench.runner import accepted_tokens, decode_time, shutdown, start
 from tqdm import tqdm
 
 from vllm_selfspec import prompts as prompt_sets
+from vllm_selfspec.assets import RESULTS_DIR as RESULTS
 from vllm_selfspec.assets import ROOT, fast_dtype
 
 
