@@ -1,6 +1,6 @@
 """AdaDecode on the real engine: lossless greedy and sampling with the shipped
 SmolLM2 heads, early exits drafting some tokens and the full-depth draft the
-rest, only full-depth drafts above threshold 1 (none without `full_depth`),
+rest, the exit gate learning each head's acceptance and the base's, only full-depth drafts above threshold 1 (none without `full_depth`),
 100 % acceptance when the only exit is the last layer, bad heads refused at
 start-up, and a training run that lowers held-out KL."""
 
@@ -58,6 +58,19 @@ def test_early_exits_draft_some_tokens_and_full_depth_the_rest(adadecode, plain_
     assert 0 < sources["mechanism_drafted"] < sources["self_drafted"] == acceptance.drafted, \
         sources
     assert 0 < sources["mechanism_accepted"] < sources["mechanism_drafted"], sources
+
+
+def test_the_exit_gate_learns_each_heads_acceptance_and_the_bases(adadecode, test_prompts):
+    """Verified drafts reach the gate by the head that made them (or the
+    base); not cost-aware, every head stays open."""
+    greedy(adadecode, test_prompts[:8], 16)
+    gate = adadecode.collective_rpc("selfspec_exit_gate")[0]
+    *heads, base = gate["reached"]
+    assert len(heads) == 3 and base > 0 and sum(heads) > 0, gate
+    *head_acceptance, base_acceptance = gate["acceptance"]
+    assert base_acceptance is not None and 0 < base_acceptance <= 1, gate
+    assert all(a is None or 0 <= a <= 1 for a in head_acceptance), gate
+    assert gate["open"] is None, gate
 
 
 def test_threshold_above_one_drafts_at_full_depth_only(adadecode, plain_outputs,

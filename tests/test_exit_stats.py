@@ -1,11 +1,15 @@
-"""DEL's arithmetic against values computed by hand from the paper's formulas."""
+"""Early-exit arithmetic against values computed by hand: DEL's statistics
+from the paper's formulas, and the gate that keeps AdaDecode's heads only
+where they beat the full-depth draft they replace."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from vllm_selfspec.policy.exit_gate import BASE, ExitGate
 from vllm_selfspec.policy.exit_stats import ExitStats, tokens_per_layer
+from vllm_selfspec.policy.payoff import StepCosts
 
 LAYERS = np.array([8, 15, 22])
 
@@ -118,3 +122,52 @@ def test_top1_is_the_argmax_and_its_softmax_probability():
     assert torch.allclose(probability, reference.max(dim=-1).values, atol=1e-6)
     assert torch.allclose(probability, top1_probability(logits))
     assert probability.dtype == torch.float32
+
+
+# AdaDecode's gate over the full-depth base (policy/exit_gate.py).
+GATE_COSTS = StepCosts(per_draft=0.5, round_overhead=0.1, per_verified=0.1)
+
+
+def gate_with(base: tuple[int, int], heads: list[tuple[int, int]]) -> ExitGate:
+    """A gate over heads at 8, 15 and 22 of 30 layers whose base and heads
+    were reached and accepted these many times (one draft per round)."""
+    gate = ExitGate([8 / 30, 15 / 30, 22 / 30], decay=1.0)
+    for source, (accepted, reached) in [(BASE, base), *enumerate(heads)]:
+        for index in range(reached):
+            gate.record([source], 1 if index < accepted else 0)
+    return gate
+
+
+def test_the_gate_counts_drafts_up_to_the_first_rejection():
+    gate = ExitGate([0.5], decay=1.0, min_reached=1)
+    gate.record([0, BASE, BASE, 0], accepted=1)  # head accepted, base rejected, rest unseen
+    assert gate.reached == [1.0, 1.0] and gate.accepted == [1.0, 0.0]
+    gate.record([BASE, 0], accepted=2)  # all accepted: both reached
+    assert gate.acceptance(0) == 1.0 and gate.acceptance(BASE) == 0.5
+
+
+def test_a_head_accepted_far_less_than_the_base_closes_and_a_head_as_good_stays_open():
+    # Base 0.89: the shallow head at 0.62 loses (break-even about 0.77 at these
+    # costs); the middle one at 0.89 saves half a draft step for nothing; the
+    # deep one at 0.80 saves too little for what it loses.
+    gate = gate_with((89, 100), [(62, 100), (89, 100), (80, 100)])
+    assert gate.open_heads(GATE_COSTS, 0.4, max_drafts=5, round_index=1) == [False, True, False]
+
+
+def test_the_gate_opens_every_head_until_it_can_weigh_them_and_on_probe_rounds():
+    few = gate_with((5, 5), [(0, 5), (0, 5), (0, 5)])  # under min_reached
+    assert few.open_heads(GATE_COSTS, 0.4, 5, round_index=1) == [True] * 3
+    losing = gate_with((90, 100), [(10, 100)] * 3)
+    assert losing.open_heads(GATE_COSTS, 0.4, 5, round_index=1) == [False] * 3
+    assert losing.open_heads(None, 0.4, 5, round_index=1) == [True] * 3  # no costs
+    assert losing.open_heads(GATE_COSTS, 0.4, 5, round_index=losing.probe_every) == [True] * 3
+
+
+def test_a_head_pays_where_the_draft_step_is_dear():
+    # The same head and base: at a cheap draft step the exit's saving cannot
+    # make up for its acceptance, at a dear one it does.
+    gate = gate_with((90, 100), [(80, 100), (80, 100), (80, 100)])
+    cheap = StepCosts(per_draft=0.1, round_overhead=0.1)
+    dear = StepCosts(per_draft=1.0, round_overhead=0.1)
+    assert gate.open_heads(cheap, 0.1, 5, round_index=1)[0] is False
+    assert gate.open_heads(dear, 1.0, 5, round_index=1)[0] is True

@@ -272,6 +272,8 @@ def step_costs(llm, spec: dict | None) -> dict | None:
     costs["forward_profile"] = llm.collective_rpc("selfspec_profile_forwards")[0]
     if spec["method"] == "del":
         costs["exit_costs"] = llm.collective_rpc("selfspec_exit_costs")[0]
+    if spec["method"] == "adadecode":
+        costs["exit_gate"] = llm.collective_rpc("selfspec_exit_gate")[0]
     if spec["method"] == "swift":
         costs["search"] = llm.collective_rpc("selfspec_search")[0]
     return costs

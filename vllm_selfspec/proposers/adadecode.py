@@ -6,9 +6,14 @@ the first exit head whose top-1 probability exceeds `threshold`. A token no
 head is sure of runs on to the last layer and is drafted there by the model's
 own head (`full_depth`, the default): the full-depth draft over the cheap
 base's weights, so an early exit only ever replaces a dearer draft of the same
-token. With `full_depth: false` such a token ends the request's drafts and the
-verification forward produces it, as AdaDecode's last layer does. At most
-`max_early` drafts are outstanding: that is the round length.
+token. Over that base each head drafts only while it pays: cost-aware, the
+engine weighs each head's measured acceptance and the draft step it saves
+against the base's acceptance (`policy/exit_gate.py`), and a closed head's
+tokens go deeper (its logits are not computed), with every head opened again
+one round in 32 to keep its record current. With `full_depth: false` a token
+no head is sure of ends the request's drafts and the verification forward
+produces it, as AdaDecode's last layer does. At most `max_early` drafts are
+outstanding: that is the round length.
 
 The deeper layers of an early token are deferred, not dropped: the next draft
 step's query holds the whole round so far (the sampled token and every earlier
@@ -34,7 +39,8 @@ from vllm.config.utils import config
 
 from vllm_selfspec.config import SelfSpecConfigError
 from vllm_selfspec.draft.tokens import top1_probability
-from vllm_selfspec.proposers.base import DraftStep
+from vllm_selfspec.policy.exit_gate import BASE, ExitGate
+from vllm_selfspec.proposers.base import DraftStep, VerifiedTokens
 from vllm_selfspec.proposers.draft_metadata import window_metadata
 from vllm_selfspec.proposers.early_exit import EarlyExitConfig, EarlyExitProposer
 
@@ -58,8 +64,10 @@ class AdaDecodeConfig(EarlyExitConfig):
     the paper's name. Default: num_speculative_tokens's."""
     full_depth: bool | None = None
     """A token no head is confident about is drafted by the whole model over
-    the draft's weights, so an early exit only replaces a dearer draft; false:
-    it ends the request's drafts, as in the paper."""
+    the draft's weights, so an early exit only replaces a dearer draft, and
+    (cost-aware) a head drafts only while its measured acceptance pays for
+    what it saves; false: such a token ends the request's drafts and every
+    head drafts, as in the paper."""
 
     default_num_speculative_tokens = 5
     defaults = {"threshold": 0.75, "full_depth": True}
@@ -85,11 +93,61 @@ class AdaDecodeConfig(EarlyExitConfig):
 class AdaDecodeProposer(EarlyExitProposer):
     options: AdaDecodeConfig
 
+    def __init__(self, vllm_config, device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        # Over the full-depth base: which heads pay (built with the draft).
+        self.exit_gate: ExitGate | None = None
+        self.heads_open: list[bool] | None = None  # this round's; None: every head
+        # The last self-drafting round: each request's row, and per row and
+        # draft the head that made it (BASE: full depth), read on the host
+        # when the next round's feedback arrives.
+        self._round_rows: dict[str, int] = {}
+        self._round_heads: torch.Tensor | list[list[int]] | None = None
+
     def segment_ends(self, num_layers: int) -> list[int]:
         """The exits, then the last layer where tokens no head is sure of go
         on to it (`full_depth`)."""
         ends = super().segment_ends(num_layers)
         return ends + [num_layers] if self.options.full_depth and ends[-1] < num_layers else ends
+
+    def build_draft(self, num_layers: int):
+        draft = super().build_draft(num_layers)
+        if draft.segments[-1].end not in self.options.exit_layers:  # a full-depth base
+            self.exit_gate = ExitGate([end / num_layers for end in self.options.exit_layers])
+        return draft
+
+    def observe_round(self, req_id: str, accepted: int, drafted: int) -> None:
+        """The gate learns each head's acceptance and the base's."""
+        row = self._round_rows.get(req_id)
+        if self.exit_gate is None or row is None or self._round_heads is None:
+            return
+        if isinstance(self._round_heads, torch.Tensor):
+            self._round_heads = self._round_heads.tolist()  # once per round
+        self.exit_gate.record(self._round_heads[row][:drafted], accepted)
+
+    def begin_round(self, req_ids: list[str], verified: VerifiedTokens) -> None:
+        """Open the heads that pay at this round's costs (`ExitGate`)."""
+        self._round_rows = {req_id: row for row, req_id in enumerate(req_ids)}
+        self._round_heads = torch.full((len(req_ids), self.num_speculative_tokens), BASE,
+                                       dtype=torch.int8, device=self.device)
+        if self.exit_gate is None:
+            return
+        costs = self.policy.timed_costs(len(req_ids)) if self.options.cost_aware else None
+        if not costs:
+            self.heads_open = None
+            return
+        # What an early exit saves: the draft step, not the verification's
+        # share of c (a looked-up token's cost), from rank 0's shared costs.
+        step = costs.per_draft - (costs.per_verified or 0.0)
+        self.heads_open = self.exit_gate.open_heads(
+            costs, step, self.num_speculative_tokens, self.policy.counters.rounds)
+
+    def forget_finished(self, live_req_ids: set[str]) -> None:
+        for req_id in set(self._round_rows) - live_req_ids:
+            del self._round_rows[req_id]
+
+    def per_request_state(self) -> dict[str, int]:
+        return {**super().per_request_state(), "exit_gate_rows": len(self._round_rows)}
 
     def draft_step(self, round_tokens, positions, cad, step, drafting):
         batch_size, width = round_tokens.shape
@@ -109,22 +167,29 @@ class AdaDecodeProposer(EarlyExitProposer):
         fallback_end = self.model.segments[-1].end
         if fallback_end in self.options.exit_layers:
             fallback_end = None
+        made_by = torch.full_like(drafting, BASE, dtype=torch.int8)
         with self.draft_forward_context(per_layer_metadata, batch_size * width, slots):
-            for segment in self.model.segments:
+            for head, segment in enumerate(self.model.segments):
                 hidden_states, residual, head_input = segment(
                     input_ids, window_positions, hidden_states, residual)
-                logits = self.model.compute_logits(head_input[newest])
                 full_depth = segment.end == fallback_end
+                if not full_depth and self.heads_open is not None and (
+                        not self.heads_open[head]):
+                    continue  # a closed head: its tokens go deeper
+                logits = self.model.compute_logits(head_input[newest])
                 take = ~exited if full_depth else (
                     (top1_probability(logits) > self.options.threshold) & ~exited)
                 chosen = logits if chosen is None else torch.where(
                     take.view(-1, 1), logits, chosen)
                 if not full_depth:
                     early |= take
+                    made_by.masked_fill_(take, head)
                 exited |= take
                 if bool(exited.all()):
                     break
         self.policy.counters.add_step(segment.end)
+        if isinstance(self._round_heads, torch.Tensor) and step < self._round_heads.shape[1]:
+            self._round_heads[:, step] = made_by
         return DraftStep(chosen, exited & drafting, by_mechanism=early)
 
 
