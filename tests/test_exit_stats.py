@@ -128,22 +128,30 @@ def test_top1_is_the_argmax_and_its_softmax_probability():
 GATE_COSTS = StepCosts(per_draft=0.5, round_overhead=0.1, per_verified=0.1)
 
 
-def gate_with(base: tuple[int, int], heads: list[tuple[int, int]]) -> ExitGate:
-    """A gate over heads at 8, 15 and 22 of 30 layers whose base and heads
-    were reached and accepted these many times (one draft per round)."""
-    gate = ExitGate([8 / 30, 15 / 30, 22 / 30], decay=1.0)
-    for source, (accepted, reached) in [(BASE, base), *enumerate(heads)]:
+def gate_with(base: tuple[int, int], heads: list[tuple[int, int]],
+              where_sure: list[tuple[int, int]] | None = None) -> ExitGate:
+    """A gate over heads at 8, 15 and 22 of 30 layers whose base, heads and
+    base where each head was sure were reached and accepted these many times
+    (one draft per round); no probe or shadow round comes in these tests."""
+    gate = ExitGate([8 / 30, 15 / 30, 22 / 30], decay=1.0, probe_every=10**6)
+    shadowed = [(gate.shadowed(h), counts) for h, counts in enumerate(where_sure or [])]
+    for source, (accepted, reached) in [(BASE, base), *enumerate(heads), *shadowed]:
         for index in range(reached):
             gate.record([source], 1 if index < accepted else 0)
     return gate
 
 
+def opened(gate: ExitGate, costs: StepCosts | None = GATE_COSTS, batch_size: int = 1):
+    return gate.next_round(costs, batch_size, max_drafts=5).open
+
+
 def test_the_gate_counts_drafts_up_to_the_first_rejection():
     gate = ExitGate([0.5], decay=1.0, min_reached=1)
     gate.record([0, BASE, BASE, 0], accepted=1)  # head accepted, base rejected, rest unseen
-    assert gate.reached == [1.0, 1.0] and gate.accepted == [1.0, 0.0]
-    gate.record([BASE, 0], accepted=2)  # all accepted: both reached
+    assert gate.reached == [1.0, 0.0, 1.0] and gate.accepted == [1.0, 0.0, 0.0]
+    gate.record([BASE, 0, gate.shadowed(0)], accepted=3)  # all accepted: all reached
     assert gate.acceptance(0) == 1.0 and gate.acceptance(BASE) == 0.5
+    assert gate.acceptance(gate.shadowed(0)) == 1.0
 
 
 def test_a_head_accepted_far_less_than_the_base_closes_and_a_head_as_good_stays_open():
@@ -151,23 +159,36 @@ def test_a_head_accepted_far_less_than_the_base_closes_and_a_head_as_good_stays_
     # costs); the middle one at 0.89 saves half a draft step for nothing; the
     # deep one at 0.80 saves too little for what it loses.
     gate = gate_with((89, 100), [(62, 100), (89, 100), (80, 100)])
-    assert gate.open_heads(GATE_COSTS, 0.4, max_drafts=5, round_index=1) == [False, True, False]
+    assert opened(gate) == [False, True, False]
 
 
-def test_the_gate_opens_every_head_until_it_can_weigh_them_and_on_probe_rounds():
+def test_a_head_is_weighed_against_the_base_on_the_tokens_it_is_sure_of():
+    # The shallow head at 0.80 beats the base's 0.70 average, but where it is
+    # sure the full-depth draft is accepted 0.95 of the time: it closes.
+    head = [(80, 100), (0, 1), (0, 1)]
+    assert opened(gate_with((70, 100), head))[0] is True
+    assert opened(gate_with((70, 100), head, where_sure=[(95, 100)]))[0] is False
+
+
+def test_the_gate_opens_every_head_until_it_can_weigh_them_and_probes_and_shadows():
     few = gate_with((5, 5), [(0, 5), (0, 5), (0, 5)])  # under min_reached
-    assert few.open_heads(GATE_COSTS, 0.4, 5, round_index=1) == [True] * 3
+    assert opened(few) == [True] * 3
     losing = gate_with((90, 100), [(10, 100)] * 3)
-    assert losing.open_heads(GATE_COSTS, 0.4, 5, round_index=1) == [False] * 3
-    assert losing.open_heads(None, 0.4, 5, round_index=1) == [True] * 3  # no costs
-    assert losing.open_heads(GATE_COSTS, 0.4, 5, round_index=losing.probe_every) == [True] * 3
+    assert opened(losing) == [False] * 3
+    assert opened(losing, costs=None) == [True] * 3  # not cost-aware
+    losing.probe_every = 4
+    assert losing.rounds == 2
+    rounds = [losing.next_round(GATE_COSTS, 1, 5) for _ in range(4)]  # rounds 3..6
+    assert [r.open for r in rounds] == [[False] * 3, [True] * 3, [False] * 3, [False] * 3]
+    assert [r.shadow for r in rounds] == [False, False, False, True]
 
 
-def test_a_head_pays_where_the_draft_step_is_dear():
+def test_a_head_pays_where_the_draft_step_is_dear_and_only_at_batch_one():
     # The same head and base: at a cheap draft step the exit's saving cannot
-    # make up for its acceptance, at a dear one it does.
+    # make up for its acceptance, at a dear one it does; at batch 2 a step
+    # stops early only when both rows exit, so no saving is counted.
     gate = gate_with((90, 100), [(80, 100), (80, 100), (80, 100)])
-    cheap = StepCosts(per_draft=0.1, round_overhead=0.1)
+    assert opened(gate, StepCosts(per_draft=0.1, round_overhead=0.1))[0] is False
     dear = StepCosts(per_draft=1.0, round_overhead=0.1)
-    assert gate.open_heads(cheap, 0.1, 5, round_index=1)[0] is False
-    assert gate.open_heads(dear, 1.0, 5, round_index=1)[0] is True
+    assert opened(gate, dear)[0] is True
+    assert opened(gate, dear, batch_size=2)[0] is False

@@ -201,12 +201,14 @@ class SelfSpecWorkerExtension:
         return self.model_runner.drafter.search_report()
 
     def selfspec_exit_gate(self) -> dict | None:
-        """AdaDecode over its full-depth base: each head's measured acceptance
-        and the base's (`policy/exit_gate.py`), and the heads open in the last
-        drafting round (None: every head)."""
+        """AdaDecode over its full-depth base: each head's measured acceptance,
+        the base's where each head was sure and overall (`policy/exit_gate.py`),
+        and the heads open in the last drafting round (None: every head)."""
         drafter = self.model_runner.drafter
         gate = getattr(drafter, "exit_gate", None)
-        return None if gate is None else {**gate.describe(), "open": drafter.heads_open}
+        last = drafter.gate_round
+        return None if gate is None else {**gate.describe(),
+                                          "open": None if last is None else last.open}
 
     def selfspec_state(self) -> dict:
         """Per-request state the drafter holds, and this worker's resident

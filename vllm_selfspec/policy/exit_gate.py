@@ -2,22 +2,30 @@
 
 AdaDecode over the cheap base drafts a token at the first head sure of it and
 every other token at full depth. An early exit saves the rest of the draft
-step's layers for that token but is accepted less often, and a rejected draft
-ends the request's round. A head stays open only while that trade gains: with
-a round of k drafts whose first is the head's (acceptance a_h, its share d_h of
-the model's layers) and the rest full depth (acceptance a_b),
+step's layers for that token but may be accepted less often, and a rejected
+draft ends the request's round. A head stays open only while that trade gains:
+with a round of k drafts whose first is the head's (acceptance a_h, its share
+d_h of the model's layers) and the rest full depth (acceptance a_b),
 
     T_h = 1 + a_h * E(a_b, k - 1)             C_h = 1 + F + k*c - (1 - d_h)*s
-    T_b = 1 + a_b * E(a_b, k - 1)             C_b = 1 + F + k*c
+    T_b = 1 + a_bh * E(a_b, k - 1)            C_b = 1 + F + k*c
 
 (E: expected tokens of a draft chain, `payoff.expected_tokens`; c, F: the
-engine's costs per draft and per round in plain steps; s: a draft step's share
-of c), the head is open when T_h / C_h >= T_b / C_b. Acceptances count the
-drafts a verification reached (the first rejected draft included, none after
-it), each source's own moving average, so a closed head's record waits for its
-next trial: one round in `probe_every` opens every closed head again. Inputs
-are verified tokens and the costs rank 0 shares, alike on every
-tensor-parallel rank, so every rank opens the same heads.
+engine's costs per draft and per round in plain steps; s: a draft step's part
+of c, the verification's share taken off), the head is open when
+T_h / C_h >= T_b / C_b. a_bh is the full-depth draft's acceptance on the tokens
+head h is sure of (easier than the average token): measured on shadow rounds,
+which compute every head's confidence but draft at full depth. At a batch of
+more than one request a draft step stops early only when every row has
+exited, so there an exit is credited no saving and a head stays open only if
+it is accepted as often as the full-depth draft.
+
+Acceptances count the drafts a verification reached (the first rejected draft
+included, none after it), a moving average per source, so a closed head's
+record waits for its next trial: in every `probe_every` drafting rounds one
+opens every head and one is a shadow round. Inputs are verified tokens and the
+costs rank 0 shares, alike on every tensor-parallel rank, so every rank opens
+the same heads.
 """
 
 from __future__ import annotations
@@ -27,30 +35,50 @@ from dataclasses import dataclass, field
 
 from vllm_selfspec.policy.payoff import StepCosts, expected_tokens
 
-# A draft made at full depth, in a round's list of sources (heads are 0, 1, ...).
+# A draft made at full depth, in a round's list of sources (head h is h, and a
+# full-depth draft of a token head h was sure of, on a shadow round, is
+# `ExitGate.shadowed(h)`).
 BASE = -1
+
+
+@dataclass(frozen=True)
+class GateRound:
+    """A drafting round's heads: which may draft, and whether this is a
+    shadow round (every head's confidence computed, every token drafted at
+    full depth)."""
+
+    open: list[bool]
+    shadow: bool = False
 
 
 @dataclass
 class ExitGate:
-    """Per source (each head, then the base), decayed counts of the verified
-    drafts reached and of those accepted. `depth_shares`: each head's exit
-    layer over the model's layers."""
+    """Decayed counts of the verified drafts reached and accepted per source:
+    each head, the base where each head was sure, the base. `depth_shares`:
+    each head's exit layer over the model's layers."""
 
     depth_shares: Sequence[float]
     decay: float = 0.98
     min_reached: float = 16.0
     probe_every: int = 32
+    rounds: int = 0
     reached: list[float] = field(init=False)
     accepted: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.reached = [0.0] * (len(self.depth_shares) + 1)  # the base last
-        self.accepted = [0.0] * (len(self.depth_shares) + 1)
+        if self.min_reached <= 0 or self.probe_every < 2:
+            raise ValueError("ExitGate: min_reached must be > 0 and probe_every >= 2")
+        sources = 2 * len(self.depth_shares) + 1  # heads, shadowed heads, the base last
+        self.reached = [0.0] * sources
+        self.accepted = [0.0] * sources
+
+    def shadowed(self, head: int) -> int:
+        """The source of a full-depth draft of a token `head` was sure of."""
+        return len(self.depth_shares) + head
 
     def record(self, sources: Sequence[int], accepted: int) -> None:
-        """One request's verified drafts, in order, each by the head that made
-        it (or BASE), of which the first `accepted` were accepted."""
+        """One request's verified drafts, in order, each by its source, of
+        which the first `accepted` were accepted."""
         for position, source in enumerate(sources[:accepted + 1]):
             self.reached[source] = self.decay * self.reached[source] + 1.0
             self.accepted[source] = (self.decay * self.accepted[source]
@@ -62,27 +90,40 @@ class ExitGate:
             return None
         return self.accepted[source] / self.reached[source]
 
-    def open_heads(self, costs: StepCosts | None, draft_step_cost: float,
-                   max_drafts: int, round_index: int) -> list[bool]:
-        """Which heads may draft this round. Every head while there is nothing
-        to weigh (no costs, too few drafts of the base or of the head) and on
-        a probe round; `draft_step_cost`: one draft step's cost in plain steps
-        (the part of c an early exit can save)."""
+    def next_round(self, costs: StepCosts | None, batch_size: int,
+                   max_drafts: int) -> GateRound:
+        """The heads of the next drafting round at these costs (None: not
+        cost-aware, every head drafts)."""
+        self.rounds += 1
+        every = [True] * len(self.depth_shares)
         base = self.acceptance(BASE)
-        if costs is None or base is None or round_index % self.probe_every == 0:
-            return [True] * len(self.depth_shares)
+        if costs is None or self.rounds % self.probe_every == 0:
+            return GateRound(every)
+        if self.rounds % self.probe_every == self.probe_every // 2:
+            return GateRound([False] * len(self.depth_shares), shadow=True)
+        if base is None:
+            return GateRound(every)
         tail = expected_tokens(base, max_drafts - 1)
         full_cost = 1.0 + costs.round_overhead + max_drafts * costs.per_draft
-        full_speed = (1.0 + base * tail) / full_cost
-        step = min(draft_step_cost, costs.per_draft)
+        step = max(0.0, costs.per_draft - batch_size * (costs.per_verified or 0.0))
         opened = []
         for head, share in enumerate(self.depth_shares):
             ours = self.acceptance(head)
-            opened.append(ours is None or (1.0 + ours * tail) / (
-                full_cost - (1.0 - share) * step) >= full_speed)
-        return opened
+            theirs = self.acceptance(self.shadowed(head))
+            theirs = base if theirs is None else theirs
+            saving = (1.0 - share) * step if batch_size == 1 else 0.0
+            opened.append(ours is None or (1.0 + ours * tail) / (full_cost - saving)
+                          >= (1.0 + theirs * tail) / full_cost)
+        return GateRound(opened)
 
     def describe(self) -> dict:
-        return {"acceptance": [None if (a := self.acceptance(s)) is None else round(a, 3)
-                               for s in [*range(len(self.depth_shares)), BASE]],
+        heads = range(len(self.depth_shares))
+
+        def rounded(source: int) -> float | None:
+            value = self.acceptance(source)
+            return None if value is None else round(value, 3)
+
+        return {"head_acceptance": [rounded(h) for h in heads],
+                "base_acceptance_where_sure": [rounded(self.shadowed(h)) for h in heads],
+                "base_acceptance": rounded(BASE),
                 "reached": [round(n, 1) for n in self.reached]}

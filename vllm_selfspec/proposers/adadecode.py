@@ -8,9 +8,11 @@ own head (`full_depth`, the default): the full-depth draft over the cheap
 base's weights, so an early exit only ever replaces a dearer draft of the same
 token. Over that base each head drafts only while it pays: cost-aware, the
 engine weighs each head's measured acceptance and the draft step it saves
-against the base's acceptance (`policy/exit_gate.py`), and a closed head's
-tokens go deeper (its logits are not computed), with every head opened again
-one round in 32 to keep its record current. With `full_depth: false` a token
+against the base's acceptance on the tokens that head is sure of
+(`policy/exit_gate.py`); a closed head's tokens go deeper (its logits are not
+computed). In every 32 drafting rounds one opens every head and one is a
+shadow round (every head's confidence read, every token drafted at full
+depth), so both records stay current. With `full_depth: false` a token
 no head is sure of ends the request's drafts and the verification forward
 produces it, as AdaDecode's last layer does. At most `max_early` drafts are
 outstanding: that is the round length.
@@ -39,7 +41,7 @@ from vllm.config.utils import config
 
 from vllm_selfspec.config import SelfSpecConfigError
 from vllm_selfspec.draft.tokens import top1_probability
-from vllm_selfspec.policy.exit_gate import BASE, ExitGate
+from vllm_selfspec.policy.exit_gate import BASE, ExitGate, GateRound
 from vllm_selfspec.proposers.base import DraftStep, VerifiedTokens
 from vllm_selfspec.proposers.draft_metadata import window_metadata
 from vllm_selfspec.proposers.early_exit import EarlyExitConfig, EarlyExitProposer
@@ -97,12 +99,12 @@ class AdaDecodeProposer(EarlyExitProposer):
         super().__init__(vllm_config, device, runner)
         # Over the full-depth base: which heads pay (built with the draft).
         self.exit_gate: ExitGate | None = None
-        self.heads_open: list[bool] | None = None  # this round's; None: every head
+        self.gate_round: GateRound | None = None  # this round's; None: every head
         # The last self-drafting round: each request's row, and per row and
-        # draft the head that made it (BASE: full depth), read on the host
-        # when the next round's feedback arrives.
+        # draft its source (a head, BASE, or a shadowed head), read on the
+        # host when the next round's feedback arrives.
         self._round_rows: dict[str, int] = {}
-        self._round_heads: torch.Tensor | list[list[int]] | None = None
+        self._round_sources: torch.Tensor | list[list[int]] | None = None
 
     def segment_ends(self, num_layers: int) -> list[int]:
         """The exits, then the last layer where tokens no head is sure of go
@@ -112,35 +114,30 @@ class AdaDecodeProposer(EarlyExitProposer):
 
     def build_draft(self, num_layers: int):
         draft = super().build_draft(num_layers)
-        if draft.segments[-1].end not in self.options.exit_layers:  # a full-depth base
-            self.exit_gate = ExitGate([end / num_layers for end in self.options.exit_layers])
+        heads = [segment.end for segment in draft.segments]
+        if heads[-1] not in self.options.exit_layers:  # the full-depth base's segment
+            self.exit_gate = ExitGate([end / num_layers for end in heads[:-1]])
         return draft
 
     def observe_round(self, req_id: str, accepted: int, drafted: int) -> None:
         """The gate learns each head's acceptance and the base's."""
         row = self._round_rows.get(req_id)
-        if self.exit_gate is None or row is None or self._round_heads is None:
+        if self.exit_gate is None or row is None or self._round_sources is None:
             return
-        if isinstance(self._round_heads, torch.Tensor):
-            self._round_heads = self._round_heads.tolist()  # once per round
-        self.exit_gate.record(self._round_heads[row][:drafted], accepted)
+        if isinstance(self._round_sources, torch.Tensor):
+            self._round_sources = self._round_sources.tolist()  # once per round
+        self.exit_gate.record(self._round_sources[row][:drafted], accepted)
 
     def begin_round(self, req_ids: list[str], verified: VerifiedTokens) -> None:
-        """Open the heads that pay at this round's costs (`ExitGate`)."""
-        self._round_rows = {req_id: row for row, req_id in enumerate(req_ids)}
-        self._round_heads = torch.full((len(req_ids), self.num_speculative_tokens), BASE,
-                                       dtype=torch.int8, device=self.device)
+        """The heads of this round, at its costs (`ExitGate`)."""
         if self.exit_gate is None:
             return
+        self._round_rows = {req_id: row for row, req_id in enumerate(req_ids)}
+        self._round_sources = torch.full((len(req_ids), self.num_speculative_tokens), BASE,
+                                         dtype=torch.int8, device=self.device)
         costs = self.policy.timed_costs(len(req_ids)) if self.options.cost_aware else None
-        if not costs:
-            self.heads_open = None
-            return
-        # What an early exit saves: the draft step, not the verification's
-        # share of c (a looked-up token's cost), from rank 0's shared costs.
-        step = costs.per_draft - (costs.per_verified or 0.0)
-        self.heads_open = self.exit_gate.open_heads(
-            costs, step, self.num_speculative_tokens, self.policy.counters.rounds)
+        self.gate_round = self.exit_gate.next_round(costs or None, len(req_ids),
+                                                    self.num_speculative_tokens)
 
     def forget_finished(self, live_req_ids: set[str]) -> None:
         for req_id in set(self._round_rows) - live_req_ids:
@@ -167,29 +164,38 @@ class AdaDecodeProposer(EarlyExitProposer):
         fallback_end = self.model.segments[-1].end
         if fallback_end in self.options.exit_layers:
             fallback_end = None
-        made_by = torch.full_like(drafting, BASE, dtype=torch.int8)
+        gate = self.gate_round
+        made_by = torch.full_like(drafting, BASE, dtype=torch.int8)  # each row's source
         with self.draft_forward_context(per_layer_metadata, batch_size * width, slots):
             for head, segment in enumerate(self.model.segments):
                 hidden_states, residual, head_input = segment(
                     input_ids, window_positions, hidden_states, residual)
                 full_depth = segment.end == fallback_end
-                if not full_depth and self.heads_open is not None and (
-                        not self.heads_open[head]):
-                    continue  # a closed head: its tokens go deeper
+                if not full_depth and gate is not None and not (
+                        gate.open[head] or gate.shadow):
+                    continue  # a closed head: its tokens go deeper, unread
                 logits = self.model.compute_logits(head_input[newest])
-                take = ~exited if full_depth else (
-                    (top1_probability(logits) > self.options.threshold) & ~exited)
-                chosen = logits if chosen is None else torch.where(
-                    take.view(-1, 1), logits, chosen)
-                if not full_depth:
+                if full_depth:
+                    take = ~exited
+                else:
+                    sure = (top1_probability(logits) > self.options.threshold) & ~exited
+                    if gate is not None and gate.shadow:
+                        # Drafted at full depth, noted by the first head sure of it.
+                        made_by.masked_fill_(sure & (made_by == BASE),
+                                             self.exit_gate.shadowed(head))
+                        continue
+                    take = sure
                     early |= take
                     made_by.masked_fill_(take, head)
+                chosen = logits if chosen is None else torch.where(
+                    take.view(-1, 1), logits, chosen)
                 exited |= take
                 if bool(exited.all()):
                     break
         self.policy.counters.add_step(segment.end)
-        if isinstance(self._round_heads, torch.Tensor) and step < self._round_heads.shape[1]:
-            self._round_heads[:, step] = made_by
+        if isinstance(self._round_sources, torch.Tensor) and (
+                step < self._round_sources.shape[1]):
+            self._round_sources[:, step] = made_by
         return DraftStep(chosen, exited & drafting, by_mechanism=early)
 
 
