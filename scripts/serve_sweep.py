@@ -51,6 +51,7 @@ def settings_for(model: str) -> dict[str, dict | None]:
         "ngram_dynamic": NGRAM_DYNAMIC,
         "suffix": SUFFIX,
         "recommended": recommended_config(model),
+        "recommended_suffix": {**recommended_config(model), "lookup": {"source": "suffix"}},
         "draft_verify": {"method": "draft_verify"},
         "swift": {"method": "swift"},
         "del": {"method": "del"},

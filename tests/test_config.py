@@ -56,6 +56,12 @@ def engine_config(model, speculative_config, **kwargs):
          r"speculative_config\.lookup: max_tokens 0 must be >= 1"),
         ({"method": "draft_verify", "lookup": {"min": 2}},
          r"speculative_config\.lookup: unknown key\(s\) \['min'\]"),
+        ({"method": "draft_verify", "lookup": {"source": "trie"}},
+         r"speculative_config\.lookup: source 'trie' is not one of \['ngram', 'suffix'\]"),
+        ({"method": "draft_verify", "lookup": {"source": "suffix", "min_token_prob": 2}},
+         r"speculative_config\.lookup: min_token_prob 2 must be in \[0, 1\]"),
+        ({"method": "draft_verify", "lookup": {"max_cached_requests": -1}},
+         r"speculative_config\.lookup: max_cached_requests -1 must be >= 0"),
     ],
 )
 def test_bad_config_fails_naming_the_field(model_dir, spec, message):

@@ -1,11 +1,15 @@
 """Lookup drafts on the real engine: a request whose output copies its prompt
 drafts from its own text, one that does not self-drafts, each request's
 summary says where its tokens came from, and outputs stay plain vLLM's (at
-batch 1 and 8 in test_draft_verify.py, on the same engine)."""
+batch 1 and 8 in test_draft_verify.py, on the same engine). With the suffix
+source (Arctic Inference's trees), a request that repeats an earlier one's
+answer drafts it from the cache of past responses, which stays bounded."""
 
 from __future__ import annotations
 
-from tests.conftest import Acceptance, greedy
+import numpy as np
+
+from tests.conftest import Acceptance, greedy, start_engine, stop_engine
 
 PASSAGE = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles "
            "begins with a single step. All that glitters is not gold. ")
@@ -80,3 +84,67 @@ def test_a_request_without_repeats_self_drafts(skip_set_with_lookup, plain):
     assert sources["lookup_rounds"] == 0, sources
     assert sources["self_rounds"] >= 3, sources
     assert sources["self_drafted"] == acceptance.drafted >= 3, (sources, acceptance)
+
+
+def suffix_lookup(max_cached_requests: int = 4):
+    from vllm_selfspec.draft.lookup import LOOKUP_DEFAULTS, SuffixLookup
+
+    settings = {**LOOKUP_DEFAULTS, "source": "suffix",
+                "max_cached_requests": max_cached_requests}
+    return SuffixLookup(settings, max_model_len=1000)
+
+
+def one_request(lookup, req_id: str, prompt: list[int], output: list[int], length: int = 4):
+    """Feed a request's prompt and output, one token per step, and return
+    the draft proposed after the last one."""
+    found = {}
+    for end in range(1, len(output) + 1):
+        context = np.asarray(prompt + output[:end], dtype=np.int32)
+        found = lookup.drafts(iter([(0, req_id, context)]), [length], np.array([len(prompt)]))
+    return found.get(0, np.array([], dtype=np.int64)).tolist()
+
+
+def test_the_suffix_source_drafts_another_requests_answer_and_stays_bounded():
+    lookup = suffix_lookup(max_cached_requests=2)
+    answer = [11, 12, 13, 14, 15, 16, 17, 18]
+    one_request(lookup, "a", [1, 2, 3], answer)
+    lookup.forget(set())  # "a" finished: its tree goes, its answer stays cached
+    assert lookup.fed == {} and list(lookup.cache.active_requests) == []
+    # Another prompt whose answer starts like "a"'s: the rest is drafted from it.
+    assert one_request(lookup, "b", [7, 8, 9], answer[:4]) == answer[4:8]
+    for index in range(5):
+        one_request(lookup, f"more-{index}", [index], [40 + index, 41 + index])
+    lookup.forget(set())
+    assert len(lookup.cache.cached_requests) == 2  # max_cached_requests
+    assert lookup.describe()["cached_responses"] == 2
+
+
+def test_the_suffix_source_drafts_from_the_requests_own_prompt_and_restarts_cleanly():
+    lookup = suffix_lookup(max_cached_requests=0)  # no past responses
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    # A match of 3 tokens drafts at most 3 (max_spec_factor 1).
+    assert one_request(lookup, "a", prompt, [5, 6, 7]) == [8, 9, 10]
+    # The same id with fewer tokens (vLLM recomputed it): its tree is rebuilt.
+    assert one_request(lookup, "a", [1, 2], [3]) == []
+    assert lookup.fed == {"a": 3}
+
+
+def test_suffix_lookup_keeps_greedy_parity_and_drafts_a_repeated_answer(plain,
+                                                                       test_prompts):
+    """The recommended draft with suffix lookups: outputs are plain vLLM's,
+    and a prompt asked again drafts its answer from the first one's."""
+    llm = start_engine({"method": "draft_verify", "lookup": {"source": "suffix"}})
+    try:
+        prompts = test_prompts[:4]
+        assert greedy(llm, prompts, 4, max_tokens=32) == greedy(plain, prompts, 4,
+                                                                 max_tokens=32)
+        again = Acceptance()
+        assert greedy(llm, prompts[:1], 1, max_tokens=32, acceptance=again) == greedy(
+            plain, prompts[:1], 1, max_tokens=32)
+        (state,) = llm.collective_rpc("selfspec_state")
+    finally:
+        stop_engine(llm)
+    sources = again.sources
+    assert sources["lookup_drafted"] >= 16, sources
+    assert sources["lookup_accepted"] / sources["lookup_drafted"] > 0.8, sources
+    assert state["requests_with_state"]["suffix_trees"] == 0, state

@@ -136,17 +136,18 @@ class SelfSpecConfig(SpeculativeConfig):
     min(1, p/q), nearly their greedy acceptance at any temperature; greedy
     ones with p. Both keep the target distribution; seeded requests draw
     drafts from their seed and position; lookup drafts are one-hot."""
-    lookup: dict[str, int] | bool | None = None
-    """Free drafts first, copied from the request's own text where its last
-    tokens occurred before: a dict sets min_match, max_match and max_tokens,
-    {} or true keeps their defaults, false turns lookups off. When a
-    request's last `min_match` to
-    `max_match` tokens occurred earlier in its prompt or output, the tokens
-    that followed there are its drafts this round (vLLM's own n-gram matcher)
-    and it runs no self-draft; requests without a match self-draft as usual,
-    in the same batch. With cost_aware, as many (up to `max_tokens` and
-    num_speculative_tokens) as the request's own lookups' acceptance makes
-    worth verifying; without it, `max_tokens`."""
+    lookup: dict[str, int | float | str] | bool | None = None
+    """Free drafts first, copied from text already seen: a dict sets its
+    keys (below), {} or true keeps their defaults, false turns lookups off.
+    With source "ngram", when a request's last `min_match` to `max_match`
+    tokens occurred earlier in its prompt or output, the tokens that followed
+    there are its drafts this round (vLLM's own n-gram matcher); with
+    "suffix", Arctic Inference's suffix trees over the request and the
+    engine's past responses propose them. A request with a draft runs no
+    self-draft; requests without one self-draft as usual, in the same batch.
+    With cost_aware, as many (up to `max_tokens` and num_speculative_tokens)
+    as the request's own lookups' acceptance makes worth verifying; without
+    it, `max_tokens`."""
 
     # Defaults a method module sets; None means "not given by the user".
     default_num_speculative_tokens: ClassVar[int] = 4
@@ -329,7 +330,7 @@ class SelfSpecConfig(SpeculativeConfig):
     def _validate_lookup(self) -> None:
         if self.lookup is False:
             return
-        from vllm_selfspec.draft.lookup import LOOKUP_DEFAULTS
+        from vllm_selfspec.draft.lookup import LOOKUP_DEFAULTS, LOOKUP_SOURCES
 
         unknown = sorted(set(self.lookup) - set(LOOKUP_DEFAULTS))
         if unknown:
@@ -337,14 +338,32 @@ class SelfSpecConfig(SpeculativeConfig):
                 f"speculative_config.lookup: unknown key(s) {unknown}; it takes "
                 f"{sorted(LOOKUP_DEFAULTS)}.")
         self.lookup = {**LOOKUP_DEFAULTS, **self.lookup}
-        if not 1 <= self.lookup["min_match"] <= self.lookup["max_match"]:
+        lookup = self.lookup
+        if lookup["source"] not in LOOKUP_SOURCES:
             raise SelfSpecConfigError(
-                f"speculative_config.lookup: min_match {self.lookup['min_match']} and "
-                f"max_match {self.lookup['max_match']} need 1 <= min_match <= max_match.")
-        if self.lookup["max_tokens"] < 1:
+                f"speculative_config.lookup: source {lookup['source']!r} is not one of "
+                f"{list(LOOKUP_SOURCES)}.")
+        if lookup["source"] == "suffix":
+            try:
+                importlib.import_module("arctic_inference.suffix_decoding")
+            except ImportError:
+                raise SelfSpecConfigError(
+                    "speculative_config.lookup: source 'suffix' needs Arctic Inference's "
+                    "suffix trees; install arctic-inference==0.3.0 (bash scripts/setup.sh "
+                    "builds it) or use source 'ngram'.") from None
+        if not 1 <= lookup["min_match"] <= lookup["max_match"]:
             raise SelfSpecConfigError(
-                f"speculative_config.lookup: max_tokens {self.lookup['max_tokens']} must be "
-                ">= 1 (the most tokens one lookup drafts).")
+                f"speculative_config.lookup: min_match {lookup['min_match']} and "
+                f"max_match {lookup['max_match']} need 1 <= min_match <= max_match.")
+        for key, least in (("max_tokens", 1), ("max_tree_depth", 1),
+                           ("max_cached_requests", 0), ("max_spec_factor", 0)):
+            if lookup[key] < least:
+                raise SelfSpecConfigError(
+                    f"speculative_config.lookup: {key} {lookup[key]} must be >= {least}.")
+        if not 0 <= lookup["min_token_prob"] <= 1:
+            raise SelfSpecConfigError(
+                f"speculative_config.lookup: min_token_prob {lookup['min_token_prob']} "
+                "must be in [0, 1].")
 
     def _validate_draft_weights_for_model(self) -> None:
         from vllm_selfspec.draft.kernels import int4_shape_problem

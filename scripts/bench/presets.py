@@ -70,6 +70,8 @@ def method_configs(model_dir: Path, args) -> dict[str, dict | None]:
     configs["del"] = del_config(args)
     configs["swift"] = {"method": "swift"}
     configs["recommended"] = recommended_config(args.model)
+    configs["suffix"] = SUFFIX
+    configs["recommended_suffix"] = {**configs["recommended"], "lookup": {"source": "suffix"}}
     configs.update(cheap_draft_configs(args))
     return configs
 

@@ -1,11 +1,17 @@
-"""Free drafts from the request's own text, tried before any self-draft.
+"""Free drafts from text already seen, tried before any self-draft.
 
-The longest suffix of a request's tokens (prompt and output so far) that
-occurred earlier in them, if it is at least `min_match` tokens long, proposes
-the tokens that followed that earlier occurrence: vLLM's own n-gram matcher
-(`NgramProposer`'s KMP search, `_find_longest_matched_ngram_and_propose_tokens`)
-on the request's tokens. A request with such a match drafts those tokens this
-round and runs no self-draft; the others self-draft as usual.
+Two sources (`lookup.source`). "ngram": the longest suffix of a request's
+tokens (prompt and output so far) that occurred earlier in them, if it is at
+least `min_match` tokens long, proposes the tokens that followed that earlier
+occurrence: vLLM's own n-gram matcher (`NgramProposer`'s KMP search,
+`_find_longest_matched_ngram_and_propose_tokens`) on the request's tokens.
+"suffix": Arctic Inference's suffix trees (`SuffixDecodingCache`, the library
+behind vLLM's `suffix` method): one per live request over its prompt and
+output, and one over the engine's past responses (at most
+`max_cached_requests`, the oldest evicted first); the draft is the likelier
+of the two trees' continuations, as long as its frequency estimate allows. A
+request with a draft from either runs no self-draft this round; the others
+self-draft as usual.
 
 The drafter runs before vLLM's bookkeeping of the step that just ran, so a
 request's tokens are vLLM's record up to the previous step plus what that step
@@ -14,7 +20,15 @@ accepted: the verified drafts vLLM kept and the token it sampled.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+# Every this many requests started, the suffix cache logs its size.
+LOG_CACHE_EVERY = 256
 
 # A lookup draft is at most `max_tokens` long (and at most the method's
 # num_speculative_tokens): its tokens cost no draft step but each is verified.
@@ -22,11 +36,24 @@ import numpy as np
 # cap (`RoundPolicy.lookup_lengths`): long in text that copies long spans,
 # short where a match's continuation soon parts from the target's
 # (docs/results/batch1.md). Without it every lookup may run to the cap.
-LOOKUP_DEFAULTS = {"min_match": 2, "max_match": 8, "max_tokens": 12}
+# The suffix keys are vLLM's `suffix_decoding_*` defaults but for the cache of
+# past responses, kept smaller: each holds up to max_model_len tokens.
+LOOKUP_SOURCES = ("ngram", "suffix")
+LOOKUP_DEFAULTS = {"source": "ngram", "min_match": 2, "max_match": 8, "max_tokens": 12,
+                   "max_tree_depth": 24, "max_cached_requests": 1000,
+                   "max_spec_factor": 1.0, "min_token_prob": 0.1}
 LOOKUP_KEYS = {
-    "min_match": "The fewest of a request's last tokens that must have occurred before.",
-    "max_match": "The most of its last tokens matched (the longest match wins).",
+    "source": 'Where drafts are looked up: "ngram", vLLM\'s matcher over the request\'s '
+              'own tokens; "suffix", Arctic Inference\'s suffix trees over the request '
+              "and the engine's past responses (needs arctic-inference).",
+    "min_match": "ngram: the fewest of a request's last tokens that must have occurred before.",
+    "max_match": "ngram: the most of its last tokens matched (the longest match wins).",
     "max_tokens": "The most tokens one lookup drafts.",
+    "max_tree_depth": "suffix: the most of a request's last tokens matched (the trees' depth).",
+    "max_cached_requests": "suffix: past responses kept for other requests to draft from, "
+                           "the oldest evicted first (0: none, only the request's own text).",
+    "max_spec_factor": "suffix: a draft is at most this many times the matched length.",
+    "min_token_prob": "suffix: the least estimated probability of a drafted token.",
 }
 
 
@@ -39,28 +66,106 @@ def request_tokens(recorded: np.ndarray, step_tokens: list[int], first_row: int,
     return np.concatenate([recorded, np.asarray([*kept, next_token], dtype=recorded.dtype)])
 
 
-def lookup_drafts(req_ids: list[str], lengths: list[int], discarded: np.ndarray,
-                  token_ids: np.ndarray, num_recorded: np.ndarray, step_tokens: list[int],
-                  first_rows: list[int], next_tokens: list[int], accepted: dict[str, int],
-                  settings: dict[str, int], max_model_len: int) -> dict[int, np.ndarray]:
-    """Each row's lookup draft where the request's own text offers a match,
-    in row order: at most `lengths[row]` tokens (none where that is 0 or
-    vLLM discards the row's sample). A request's tokens are vLLM's record
-    (`token_ids[row, :num_recorded[row]]`), then what the step that just ran
-    accepted and sampled (`request_tokens`, from the step's flat input
-    `step_tokens`, each request's `first_rows` and `next_tokens`); `settings`
-    is the method's `lookup` option."""
-    found: dict[int, np.ndarray] = {}
+def request_contexts(req_ids: list[str], discarded: np.ndarray, token_ids: np.ndarray,
+                     num_recorded: np.ndarray, step_tokens: list[int], first_rows: list[int],
+                     next_tokens: list[int], accepted: dict[str, int]
+                     ) -> Iterator[tuple[int, str, np.ndarray]]:
+    """(row, request, its tokens) for each row whose sample vLLM keeps: vLLM's
+    record (`token_ids[row, :num_recorded[row]]`), then what the step that
+    just ran accepted and sampled (`request_tokens`, from the step's flat
+    input `step_tokens`, each request's `first_rows` and `next_tokens`)."""
     for row, req_id in enumerate(req_ids):
-        if discarded[row] or not lengths[row]:
+        if not discarded[row]:
+            yield row, req_id, request_tokens(
+                token_ids[row, :num_recorded[row]], step_tokens, first_rows[row],
+                accepted.get(req_id, 0), next_tokens[row])
+
+
+def lookup_drafts(contexts: Iterator[tuple[int, str, np.ndarray]], lengths: list[int],
+                  settings: dict, max_model_len: int) -> dict[int, np.ndarray]:
+    """Each row's n-gram lookup draft where the request's own text offers a
+    match, in row order: at most `lengths[row]` tokens (none where that is 0);
+    `settings` is the method's `lookup` option."""
+    found: dict[int, np.ndarray] = {}
+    for row, _, context in contexts:
+        if not lengths[row]:
             continue
-        context = request_tokens(token_ids[row, :num_recorded[row]], step_tokens,
-                                 first_rows[row], accepted.get(req_id, 0), next_tokens[row])
         draft = lookup_draft(context, settings["min_match"], settings["max_match"],
                              max_model_len, lengths[row])
         if len(draft):
             found[row] = draft
     return found
+
+
+class SuffixLookup:
+    """Drafts from Arctic Inference's `SuffixDecodingCache`: a tree per live
+    request over its prompt and output, fed every token the request gains, and
+    the cache's tree of past responses (a request's response joins it when
+    the request starts and stays until `max_cached_requests` newer ones
+    evict it). Built from tokens alone, so alike on every tensor-parallel
+    rank."""
+
+    def __init__(self, settings: dict, max_model_len: int):
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.settings = settings
+        self.max_model_len = max_model_len
+        self.cache = SuffixDecodingCache(max_tree_depth=settings["max_tree_depth"],
+                                         max_cached_requests=settings["max_cached_requests"])
+        self.fed: dict[str, int] = {}  # per live request, its tokens the cache holds
+        self.started = 0
+
+    def drafts(self, contexts: Iterator[tuple[int, str, np.ndarray]], lengths: list[int],
+               num_prompt_tokens: np.ndarray) -> dict[int, np.ndarray]:
+        """Each row's draft where the trees offer one, at most `lengths[row]`
+        tokens; every row's new tokens are fed to the cache first."""
+        found: dict[int, np.ndarray] = {}
+        depth = self.settings["max_tree_depth"]
+        for row, req_id, context in contexts:
+            self._feed(req_id, context, int(num_prompt_tokens[row]))
+            room = min(lengths[row], self.max_model_len - len(context) - 1)
+            if room < 1:
+                continue
+            draft = self.cache.speculate(
+                req_id, np.ascontiguousarray(context[-depth:], dtype=np.int32),
+                max_spec_tokens=room, max_spec_factor=self.settings["max_spec_factor"],
+                min_token_prob=self.settings["min_token_prob"])
+            if draft.token_ids:
+                found[row] = np.asarray(draft.token_ids, dtype=np.int64)
+        return found
+
+    def _feed(self, req_id: str, context: np.ndarray, num_prompt_tokens: int) -> None:
+        """Start the request's tree from its prompt when it is new, then add
+        the output tokens the cache has not seen."""
+        fed = self.fed.get(req_id)
+        if fed is None or fed > len(context):
+            if req_id in self.cache.active_requests:
+                self.cache.stop_request(req_id)
+            self.cache.start_request(
+                req_id, np.ascontiguousarray(context[:num_prompt_tokens], dtype=np.int32))
+            fed = num_prompt_tokens
+            self.started += 1
+            if self.started % LOG_CACHE_EVERY == 0:
+                logger.info("selfspec suffix lookup: %s", self.describe())
+        if len(context) > fed:
+            self.cache.add_active_response(
+                req_id, np.ascontiguousarray(context[fed:], dtype=np.int32))
+        self.fed[req_id] = max(fed, len(context))
+
+    def forget(self, live_req_ids: set[str]) -> None:
+        """Drop the trees of requests vLLM no longer holds (their responses
+        stay in the cache of past responses)."""
+        for req_id in set(self.fed) - live_req_ids:
+            del self.fed[req_id]
+            self.cache.stop_request(req_id)
+
+    def describe(self) -> dict:
+        """Trees held and the past responses' tree's estimated bytes (read
+        from arctic-inference 0.3.0's private `_global_tree`: the cache has no
+        public size)."""
+        return {"live_requests": len(self.fed),
+                "cached_responses": len(self.cache.cached_requests),
+                "past_responses_bytes": self.cache._global_tree.estimate_memory()}
 
 
 def lookup_draft(tokens: np.ndarray, min_match: int, max_match: int, max_model_len: int,

@@ -54,6 +54,12 @@ from vllm_selfspec.draft.model import (
     LayerSubsetDraft,
     key_compile_cache,
 )
+from vllm_selfspec.draft.lookup import (
+    SuffixLookup,
+    compile_lookup,
+    lookup_drafts,
+    request_contexts,
+)
 from vllm_selfspec.draft.sampling import DraftSampler
 from vllm_selfspec.draft.tokens import BASE, LOOKUP, MECHANISM, NO_DRAFT
 from vllm_selfspec.draft.weights import DraftWeights
@@ -117,6 +123,7 @@ class SelfSpecProposer(DraftModelProposer):
         # draft ([batch, k] bools on the device; None: the round ran no draft
         # step), read once the drafts reach the host (`draft_sources`).
         self._by_mechanism: torch.Tensor | None = None
+        self.suffix_lookup: SuffixLookup | None = None  # lookup source "suffix"
         # Records, clock, costs, the last round: cost-aware drafting's state.
         self.policy = RoundPolicy(self.options, self.num_speculative_tokens,
                                   self._time_forwards, share=_from_rank_0)
@@ -145,7 +152,9 @@ class SelfSpecProposer(DraftModelProposer):
     def per_request_state(self) -> dict[str, int]:
         """Requests with state held now, per kind of state: the requests vLLM
         holds at most, so growth after requests finish is a leak."""
-        return self.policy.per_request_state()
+        trees = {} if self.suffix_lookup is None else {
+            "suffix_trees": len(self.suffix_lookup.fed)}
+        return {**self.policy.per_request_state(), **trees}
 
     # --- vLLM's proposer interface -------------------------------------------
     def draft_depth(self, num_layers: int) -> int:
@@ -172,9 +181,10 @@ class SelfSpecProposer(DraftModelProposer):
         self._draft_attn_layer_names = {
             layer.self_attn.attn.layer_name for layer in layers
         }
-        if self.options.lookup:
-            from vllm_selfspec.draft.lookup import compile_lookup
-
+        if self.options.lookup and self.options.lookup["source"] == "suffix":
+            self.suffix_lookup = SuffixLookup(self.options.lookup,
+                                              self.vllm_config.model_config.max_model_len)
+        elif self.options.lookup:
             compile_lookup(self.vllm_config.model_config.max_model_len)
 
     def build_draft(self, num_layers: int) -> nn.Module:
@@ -379,6 +389,8 @@ class SelfSpecProposer(DraftModelProposer):
                                        started)
         if live is not None:
             self.forget_finished(live)
+            if self.suffix_lookup is not None:
+                self.suffix_lookup.forget(live)
 
     def _may_draft(self, req_ids: list[str]) -> list[bool]:
         """Per request: it has a token to continue from. One whose prompt is
@@ -486,17 +498,19 @@ class SelfSpecProposer(DraftModelProposer):
                         costs: StepCosts | Literal[False]) -> list[int]:
         """Fill `drafts` for the requests whose own text offers a match
         (draft/lookup.py); returns their rows."""
-        from vllm_selfspec.draft.lookup import lookup_drafts
-
         batch = self.runner.input_batch
         settings = self.options.lookup
         lengths = self.policy.lookup_lengths(req_ids, costs,
                                              min(drafts.shape[1], settings["max_tokens"]))
-        found = lookup_drafts(
-            req_ids, lengths, self.runner.discard_request_mask.np, batch.token_ids_cpu,
+        contexts = request_contexts(
+            req_ids, self.runner.discard_request_mask.np, batch.token_ids_cpu,
             batch.num_tokens_no_spec, step_tokens.tolist(), cad.query_start_loc_cpu.tolist(),
-            next_token_ids.tolist(), accepted, settings,
-            self.vllm_config.model_config.max_model_len)
+            next_token_ids.tolist(), accepted)
+        if self.suffix_lookup is not None:
+            found = self.suffix_lookup.drafts(contexts, lengths, batch.num_prompt_tokens)
+        else:
+            found = lookup_drafts(contexts, lengths, settings,
+                                  self.vllm_config.model_config.max_model_len)
         for row, tokens in found.items():
             drafts[row, :len(tokens)] = torch.from_numpy(tokens).to(drafts.device)
         return list(found)
