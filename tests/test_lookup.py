@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from tests.conftest import Acceptance, greedy, start_engine, stop_engine
+from vllm_selfspec.diagnostics import WORKER_EXTENSION
 
 PASSAGE = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles "
            "begins with a single step. All that glitters is not gold. ")
@@ -133,7 +134,8 @@ def test_suffix_lookup_keeps_greedy_parity_and_drafts_a_repeated_answer(plain,
                                                                        test_prompts):
     """The recommended draft with suffix lookups: outputs are plain vLLM's,
     and a prompt asked again drafts its answer from the first one's."""
-    llm = start_engine({"method": "draft_verify", "lookup": {"source": "suffix"}})
+    llm = start_engine({"method": "draft_verify", "lookup": {"source": "suffix"}},
+                       worker_extension_cls=WORKER_EXTENSION)
     try:
         prompts = test_prompts[:4]
         assert greedy(llm, prompts, 4, max_tokens=32) == greedy(plain, prompts, 4,
@@ -147,4 +149,6 @@ def test_suffix_lookup_keeps_greedy_parity_and_drafts_a_repeated_answer(plain,
     sources = again.sources
     assert sources["lookup_drafted"] >= 16, sources
     assert sources["lookup_accepted"] / sources["lookup_drafted"] > 0.8, sources
-    assert state["requests_with_state"]["suffix_trees"] == 0, state
+    # Five requests ran; a tree is held only while vLLM holds its request (the
+    # last one's goes at the next round, as every per-request state does).
+    assert state["requests_with_state"]["suffix_trees"] <= 1, state
