@@ -147,6 +147,11 @@ class AdaDecodeProposer(EarlyExitProposer):
         return {**super().per_request_state(), "exit_gate_rows": len(self._round_rows)}
 
     def draft_step(self, round_tokens, positions, cad, step, drafting):
+        gate = self.gate_round
+        no_exit = self.options.threshold >= 1.0 or (
+            gate is not None and not gate.shadow and not any(gate.open))
+        if no_exit and self.model.segments[-1].end not in self.options.exit_layers:
+            return self.full_depth_step(round_tokens, cad, step, drafting)
         batch_size, width = round_tokens.shape
         window_cad, window_positions = window_metadata(cad, positions, width, self.arange,
                                                        self.token_arange_np, self.block_size)
@@ -164,7 +169,6 @@ class AdaDecodeProposer(EarlyExitProposer):
         fallback_end = self.model.segments[-1].end
         if fallback_end in self.options.exit_layers:
             fallback_end = None
-        gate = self.gate_round
         made_by = torch.full_like(drafting, BASE, dtype=torch.int8)  # each row's source
         with self.draft_forward_context(per_layer_metadata, batch_size * width, slots):
             for head, segment in enumerate(self.model.segments):
@@ -197,6 +201,27 @@ class AdaDecodeProposer(EarlyExitProposer):
                 step < self._round_sources.shape[1]):
             self._round_sources[:, step] = made_by
         return DraftStep(chosen, exited & drafting, by_mechanism=early)
+
+    def full_depth_step(self, round_tokens, cad, step, drafting) -> DraftStep:
+        """A round in which no head may exit (the gate closed them all, or the
+        threshold is 1 or more) over the full-depth base: no token exits early,
+        so every earlier draft's KV is complete and the step runs the newest
+        token alone through every segment, as the base's own draft does (no
+        window, no head but the last)."""
+        batch_size = round_tokens.shape[0]
+        _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(
+            cad, draft_index=step)
+        self.input_ids[:batch_size] = round_tokens[:, -1]
+        hidden_states = residual = None
+        with self.draft_forward_context(per_layer_metadata, batch_size,
+                                        self._get_slot_mapping(batch_size)):
+            for segment in self.model.segments:
+                hidden_states, residual, head_input = segment(
+                    self.input_ids[:batch_size], self._get_positions(batch_size),
+                    hidden_states, residual)
+            logits = self.model.compute_logits(head_input)
+        self.policy.counters.add_step(segment.end)
+        return DraftStep(logits, drafting, by_mechanism=torch.zeros_like(drafting))
 
 
 CONFIG_CLASS = AdaDecodeConfig
