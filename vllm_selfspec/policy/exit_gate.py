@@ -13,7 +13,9 @@ d_h of the model's layers) and the rest full depth (acceptance a_b),
 (E: expected tokens of a draft chain, `payoff.expected_tokens`; c, F: the
 engine's costs per draft and per round in plain steps; s: a draft step's part
 of c, the verification's share taken off), the head is open when
-T_h / C_h >= T_b / C_b. a_bh is the full-depth draft's acceptance on the tokens
+T_h / C_h beats T_b / C_b by cost-aware drafting's margin (`MIN_GAIN`: the
+costs leave out what an open head adds, its LM-head pass and the window of
+deferred rows each later step recomputes). a_bh is the full-depth draft's acceptance on the tokens
 head h is sure of (easier than the average token): measured on shadow rounds,
 which compute every head's confidence but draft at full depth. At a batch of
 more than one request a draft step stops early only when every row has
@@ -34,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vllm_selfspec.policy.payoff import StepCosts, expected_tokens
+from vllm_selfspec.policy.rounds import MIN_GAIN
 
 # A draft made at full depth, in a round's list of sources (head h is h, and a
 # full-depth draft of a token head h was sure of, on a shadow round, is
@@ -113,7 +116,7 @@ class ExitGate:
             theirs = base if theirs is None else theirs
             saving = (1.0 - share) * step if batch_size == 1 else 0.0
             opened.append(ours is None or (1.0 + ours * tail) / (full_cost - saving)
-                          >= (1.0 + theirs * tail) / full_cost)
+                          > (1.0 + MIN_GAIN) * (1.0 + theirs * tail) / full_cost)
         return GateRound(opened)
 
     def describe(self) -> dict:

@@ -10,9 +10,11 @@ token. Over that base each head drafts only while it pays: cost-aware, the
 engine weighs each head's measured acceptance and the draft step it saves
 against the base's acceptance on the tokens that head is sure of
 (`policy/exit_gate.py`); a closed head's tokens go deeper (its logits are not
-computed). In every 32 drafting rounds one opens every head and one is a
-shadow round (every head's confidence read, every token drafted at full
-depth), so both records stay current. With `full_depth: false` a token
+computed), and with every head closed a round drafts as the base does, one
+token per step without the window below. In every 32 drafting rounds one
+opens every head and one is a shadow round (every head's confidence read,
+every token drafted at full depth), so both records stay current. With
+`full_depth: false` a token
 no head is sure of ends the request's drafts and the verification forward
 produces it, as AdaDecode's last layer does. At most `max_early` drafts are
 outstanding: that is the round length.
