@@ -32,7 +32,13 @@ from pathlib import Path
 
 import requests
 from bench.plots import plot_serving
-from bench.presets import NGRAM, NGRAM_DYNAMIC, SUFFIX, recommended_config
+from bench.presets import (
+    NGRAM,
+    NGRAM_DYNAMIC,
+    SUFFIX,
+    recommended_config,
+    recommended_suffix_config,
+)
 from bench.report import serving_table
 from serving import Server, vllm_serve
 from tqdm import tqdm
@@ -51,7 +57,7 @@ def settings_for(model: str) -> dict[str, dict | None]:
         "ngram_dynamic": NGRAM_DYNAMIC,
         "suffix": SUFFIX,
         "recommended": recommended_config(model),
-        "recommended_suffix": {**recommended_config(model), "lookup": {"source": "suffix"}},
+        "recommended_suffix": recommended_suffix_config(model),
         "draft_verify": {"method": "draft_verify"},
         "swift": {"method": "swift"},
         "del": {"method": "del"},

@@ -71,7 +71,7 @@ def method_configs(model_dir: Path, args) -> dict[str, dict | None]:
     configs["swift"] = {"method": "swift"}
     configs["recommended"] = recommended_config(args.model)
     configs["suffix"] = SUFFIX
-    configs["recommended_suffix"] = {**configs["recommended"], "lookup": {"source": "suffix"}}
+    configs["recommended_suffix"] = recommended_suffix_config(args.model)
     configs.update(cheap_draft_configs(args))
     return configs
 
@@ -82,6 +82,12 @@ def recommended_config(model: str) -> dict:
     its weights and its draft vocabulary; cost-aware (the default)."""
     vocab = {"draft_vocab": model} if (CONFIGS_DIR / "vocab" / f"{model}.json").exists() else {}
     return {"method": "draft_verify", "draft_precision": "int8", **vocab, "lookup": {}}
+
+
+def recommended_suffix_config(model: str) -> dict:
+    """The recommended setting with its lookups from Arctic Inference's suffix
+    trees (the request's text and past responses) instead of n-grams."""
+    return {**recommended_config(model), "lookup": {"source": "suffix"}}
 
 
 def cheap_draft_configs(args) -> dict[str, dict]:

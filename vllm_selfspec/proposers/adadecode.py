@@ -101,6 +101,11 @@ class AdaDecodeProposer(EarlyExitProposer):
         super().__init__(vllm_config, device, runner)
         # Over the full-depth base: which heads pay (built with the draft).
         self.exit_gate: ExitGate | None = None
+        # The end of the segment `segment_ends` added past the heads' exits
+        # (full_depth): every token still undecided there is drafted, by the
+        # base. None: no such segment (full_depth false, or a head at the
+        # last layer), and then no gate.
+        self.fallback_end: int | None = None
         self.gate_round: GateRound | None = None  # this round's; None: every head
         # The last self-drafting round: each request's row, and per row and
         # draft its source (a head, BASE, or a shadowed head), read on the
@@ -116,9 +121,10 @@ class AdaDecodeProposer(EarlyExitProposer):
 
     def build_draft(self, num_layers: int):
         draft = super().build_draft(num_layers)
-        heads = [segment.end for segment in draft.segments]
-        if heads[-1] not in self.options.exit_layers:  # the full-depth base's segment
-            self.exit_gate = ExitGate([end / num_layers for end in heads[:-1]])
+        ends = [segment.end for segment in draft.segments]
+        if ends[-1] not in self.options.exit_layers:  # the full-depth base's segment
+            self.fallback_end = ends[-1]
+            self.exit_gate = ExitGate([end / num_layers for end in ends[:-1]])
         return draft
 
     def observe_round(self, req_id: str, accepted: int, drafted: int) -> None:
@@ -152,7 +158,7 @@ class AdaDecodeProposer(EarlyExitProposer):
         gate = self.gate_round
         no_exit = self.options.threshold >= 1.0 or (
             gate is not None and not gate.shadow and not any(gate.open))
-        if no_exit and self.model.segments[-1].end not in self.options.exit_layers:
+        if no_exit and self.fallback_end is not None:
             return self.full_depth_step(round_tokens, cad, step, drafting)
         batch_size, width = round_tokens.shape
         window_cad, window_positions = window_metadata(cad, positions, width, self.arange,
@@ -166,17 +172,12 @@ class AdaDecodeProposer(EarlyExitProposer):
         early = torch.zeros_like(drafting)  # drafted at an exit head (the mechanism)
         chosen = None
         hidden_states = residual = None
-        # The segment `segment_ends` added past the heads' exits (full_depth):
-        # every token still undecided there is drafted, by the base.
-        fallback_end = self.model.segments[-1].end
-        if fallback_end in self.options.exit_layers:
-            fallback_end = None
         made_by = torch.full_like(drafting, BASE, dtype=torch.int8)  # each row's source
         with self.draft_forward_context(per_layer_metadata, batch_size * width, slots):
             for head, segment in enumerate(self.model.segments):
                 hidden_states, residual, head_input = segment(
                     input_ids, window_positions, hidden_states, residual)
-                full_depth = segment.end == fallback_end
+                full_depth = segment.end == self.fallback_end
                 if not full_depth and gate is not None and not (
                         gate.open[head] or gate.shadow):
                     continue  # a closed head: its tokens go deeper, unread
