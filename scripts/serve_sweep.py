@@ -66,8 +66,10 @@ def settings_for(model: str) -> dict[str, dict | None]:
 
 
 def write_prompts(path: Path, count: int, output_tokens: int) -> Path:
-    """Half HumanEval, half MT-bench, as vLLM's `custom` dataset (chat-templated
-    by the harness)."""
+    """Half HumanEval, half MT-bench, as vLLM's `custom` dataset: each question
+    is one user message, which the server's chat endpoint templates (hence
+    `--skip-chat-template` for the harness, which would template it a second
+    time)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"prompt": q, "output_tokens": output_tokens}) + "\n"
                             for q in prompt_sets.code_then_chat(count)))
@@ -92,6 +94,7 @@ def bench(server: Server, model_dir: Path, prompts: Path, args, concurrency: int
                "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
                "--base-url", server.url, "--model", str(model_dir),
                "--dataset-name", "custom", "--dataset-path", str(prompts),
+               "--skip-chat-template",
                "--custom-output-len", str(args.output_tokens),
                "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
                "--num-warmups", str(concurrency * args.warmup_waves),
