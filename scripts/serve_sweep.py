@@ -4,18 +4,23 @@ For each engine start, every setting gets its own real `vllm serve` in turn,
 with a plain vLLM server before the first start and after each one
 (plain, A, B, plain, A, B, plain, ...: every start bracketed by plain servers
 on the same drifting machine), and vLLM's own harness, `vllm bench serve
---max-concurrency C`, runs the same chat prompts at every concurrency and
-temperature against it, each run after a wave of C warm-up requests
-(`--num-warmups`; the counters below include them). Per (setting,
-concurrency, temperature) it keeps output tokens/s, median and p99 TPOT and
-TTFT, vLLM's acceptance counters and the share of request-rounds that drafted
-(`vllm:selfspec_rounds_total`, ours only); ratios are over the geometric mean
-of the two plain servers around its start, and each figure over starts is
-their geometric mean with the spread.
+--max-concurrency C`, runs the workload at every concurrency and temperature
+against it. Each run asks its own requests, none asked before on that server
+(a cross-request cache of past answers would otherwise draft them exactly),
+the same ones on every server: mixed questions after a wave of C warm-up
+requests, or the follow-ups of multi-turn and edit sessions after the
+server answered what they follow. Per (setting, concurrency, temperature) it
+keeps output tokens/s, median and p99 TPOT and TTFT, vLLM's acceptance
+counters and the share of request-rounds that drafted
+(`vllm:selfspec_rounds_total`, ours only), over the measured requests;
+ratios are over the geometric mean of the two plain servers around its
+start, and each figure over starts is their geometric mean with the spread.
 
     python scripts/serve_sweep.py                                   # SmolLM2, the default grid
     python scripts/serve_sweep.py --settings plain,ngram,recommended --concurrency 1,4,16 \
         --temperatures 0,0.8 --starts 3 --name sweep-smollm2
+    python scripts/serve_sweep.py --workload multiturn --settings plain,suffix,recommended_suffix \
+        --concurrency 1,4 --name sweep-smollm2-multiturn
 
 Writes runs/<name>.json, runs/<name>.md (the table) and
 runs/<name>.png (throughput and TPOT against concurrency).
@@ -28,6 +33,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import requests
@@ -42,6 +48,7 @@ from bench.presets import (
 from bench.report import serving_table
 from serving import Server, vllm_serve
 from tqdm import tqdm
+from transformers import AutoTokenizer
 
 from vllm_selfspec import prompts as prompt_sets
 from vllm_selfspec.assets import ROOT, cpu_flags, fast_dtype
@@ -65,15 +72,47 @@ def settings_for(model: str) -> dict[str, dict | None]:
     }
 
 
-def write_prompts(path: Path, count: int, output_tokens: int) -> Path:
-    """Half HumanEval, half MT-bench, as vLLM's `custom` dataset: each question
-    is one user message, which the server's chat endpoint templates (hence
-    `--skip-chat-template` for the harness, which would template it a second
-    time)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"prompt": q, "output_tokens": output_tokens}) + "\n"
-                            for q in prompt_sets.code_then_chat(count)))
-    return path
+# Each workload's items, in the order the sweep's runs take them.
+WORKLOADS = {
+    # one question each, HumanEval and MT-bench first turns taking turns
+    "mixed": prompt_sets.mixed,
+    # (first turn, second turn): the second is measured, asked after the
+    # server's own answer to the first
+    "multiturn": prompt_sets.mtbench_conversations,
+    # (request, the request again with a change): the second is measured, a
+    # new request after the server answered the first
+    "edit": prompt_sets.humaneval_edits,
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One measured `vllm bench serve` run on a server, and its own items."""
+    temperature: float
+    concurrency: int
+    items: list
+    warmups: list[str]  # mixed only: asked first, not measured
+
+
+def plan_runs(args) -> tuple[list[Run], bool]:
+    """Every server's runs, greedy first, each with items no other run on the
+    server asks (an answer to the same request in a cross-request cache, such
+    as suffix decoding's tree of past responses, would be an exact draft), and
+    mixed's warm-up waves from GSM-style problems, asked nowhere else. The
+    second value says whether the workload ran out of items and runs share
+    some."""
+    shape = [(t, c, max(args.min_prompts, c * args.prompts_per_client))
+             for t in args.temperatures for c in args.concurrency]
+    total = sum(size for *_, size in shape)
+    pool = WORKLOADS[args.workload](total)
+    runs, taken = [], 0
+    for index, (temperature, concurrency, size) in enumerate(shape):
+        items = [pool[(taken + i) % len(pool)] for i in range(size)]
+        taken += size
+        warmups = (prompt_sets.gsm_style(concurrency * args.warmup_waves, seed=100 + index)
+                   if args.workload == "mixed" and args.warmup_waves else [])
+        runs.append(Run(temperature, concurrency, items, warmups))
+    return runs, len(pool) < total
 
 
 def spec_counters(server: Server) -> dict[str, float]:
@@ -86,60 +125,94 @@ def spec_counters(server: Server) -> dict[str, float]:
             **{f"rounds_{source}": value for source, value in rounds.items()}}
 
 
-def bench(server: Server, model_dir: Path, prompts: Path, args, concurrency: int,
-          temperature: float, result: Path) -> dict:
-    """One `vllm bench serve` run; its saved result."""
-    num_prompts = max(args.min_prompts, concurrency * args.prompts_per_client)
+def bench(server: Server, model_dir: Path, prompts: list[str], result: Path, args,
+          run: Run, *, chat: bool = True, measured: bool = True) -> dict:
+    """`vllm bench serve` over `prompts` in their order at the run's
+    concurrency and temperature; its saved result. A prompt is one user
+    message for the chat endpoint, or (`chat` False) a conversation already in
+    the model's chat template for the completions endpoint. No warm-up or
+    ready-check request: vLLM's repeat the first prompt. A measured run ignores
+    EOS (every request `--output-tokens` long); the others keep the answers."""
+    dataset = result.with_suffix(".jsonl")
+    dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    backend, endpoint = (("openai-chat", "/v1/chat/completions") if chat
+                         else ("openai", "/v1/completions"))
     command = [str(Path(sys.executable).with_name("vllm")), "bench", "serve",
-               "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+               "--backend", backend, "--endpoint", endpoint,
                "--base-url", server.url, "--model", str(model_dir),
-               "--dataset-name", "custom", "--dataset-path", str(prompts),
-               "--skip-chat-template",
+               "--dataset-name", "custom", "--dataset-path", str(dataset),
+               "--skip-chat-template", "--disable-shuffle",
                "--custom-output-len", str(args.output_tokens),
-               "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
-               "--num-warmups", str(concurrency * args.warmup_waves),
-               "--temperature", str(temperature), "--seed", "0", "--ignore-eos",
+               "--num-prompts", str(len(prompts)), "--max-concurrency", str(run.concurrency),
+               "--num-warmups", "0", "--ready-check-timeout-sec", "0",
+               "--temperature", str(run.temperature), "--seed", "0",
                "--percentile-metrics", "ttft,tpot", "--metric-percentiles", "50,99",
                "--save-result", "--result-dir", str(result.parent),
-               "--result-filename", result.name]
-    run = subprocess.run(command, capture_output=True, text=True)
-    if run.returncode != 0:
-        raise SystemExit(f"vllm bench serve failed:\n{run.stderr[-3000:]}")
+               "--result-filename", result.name,
+               *(["--ignore-eos"] if measured else ["--save-detailed"])]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"vllm bench serve failed:\n{done.stderr[-3000:]}")
     return json.loads(result.read_text())
 
 
-def measure(name: str, spec: dict | None, model_dir: Path, prompts: Path, args,
-            start: int, progress: tqdm) -> list[dict]:
-    """One server of `name`: every concurrency and temperature against it."""
+def measured_prompts(server: Server, model_dir: Path, tokenizer, run: Run, stem: Path,
+                     args) -> tuple[list[str], bool]:
+    """Ask what comes before the run's measured requests (mixed's warm-up
+    waves; the first turns or first requests of the others, answered by this
+    server) and return the measured prompts and whether they go to the chat
+    endpoint."""
+    if args.workload == "mixed":
+        if run.warmups:
+            bench(server, model_dir, run.warmups, stem.with_name(stem.name + "-warmup.json"),
+                  args, run, measured=False)
+        return run.items, True
+    firsts = [first for first, _ in run.items]
+    answers = bench(server, model_dir, firsts, stem.with_name(stem.name + "-history.json"),
+                    args, run, measured=False)["generated_texts"]
+    if args.workload == "edit":
+        return [second for _, second in run.items], True
+    conversations = [[{"role": "user", "content": first},
+                      {"role": "assistant", "content": answer},
+                      {"role": "user", "content": second}]
+                     for (first, second), answer in zip(run.items, answers)]
+    return [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+            for c in conversations], False
+
+
+def measure(name: str, spec: dict | None, model_dir: Path, tokenizer, runs: list[Run],
+            args, start: int, progress: tqdm) -> list[dict]:
+    """One server of `name`: every run against it."""
     logs = RESULTS / "logs"
     server_args = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
                    "--seed", "0", "--max-num-seqs", str(max(args.concurrency))]
     rows = []
     with vllm_serve(model_dir, spec, logs / f"{args.name}-{name}-{start}.log", server_args,
                     env={"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}) as server:
-        for temperature in args.temperatures:
-            for concurrency in args.concurrency:
-                before = spec_counters(server)
-                out = bench(server, model_dir, prompts, args, concurrency, temperature,
-                            logs / f"{args.name}-{name}-{start}-c{concurrency}-t{temperature}.json")
-                after = spec_counters(server)
-                counts = {key: after[key] - before[key] for key in after}
-                rounds = sum(counts[f"rounds_{s}"] for s in ("self", "lookup", "none"))
-                rows.append({
-                    "setting": name, "start": start, "concurrency": concurrency,
-                    "temperature": temperature,
-                    "output_throughput": out["output_throughput"],
-                    "median_tpot_ms": out["median_tpot_ms"], "p99_tpot_ms": out["p99_tpot_ms"],
-                    "median_ttft_ms": out["median_ttft_ms"], "p99_ttft_ms": out["p99_ttft_ms"],
-                    "acceptance": (counts["accepted_tokens"] / counts["draft_tokens"]
-                                   if counts["draft_tokens"] else None),
-                    "mean_accepted_length": (1 + counts["accepted_tokens"] / counts["drafts"]
-                                             if counts["drafts"] else None),
-                    "drafted_share": ((counts["rounds_self"] + counts["rounds_lookup"]) / rounds
-                                      if rounds else None),
-                    "counts": counts, "finished_at": time.time(),
-                })
-                progress.update()
+        for run in runs:
+            stem = logs / f"{args.name}-{name}-{start}-c{run.concurrency}-t{run.temperature}"
+            prompts, chat = measured_prompts(server, model_dir, tokenizer, run, stem, args)
+            before = spec_counters(server)
+            out = bench(server, model_dir, prompts, stem.with_name(stem.name + ".json"), args, run,
+                        chat=chat)
+            after = spec_counters(server)
+            counts = {key: after[key] - before[key] for key in after}
+            rounds = sum(counts[f"rounds_{s}"] for s in ("self", "lookup", "none"))
+            rows.append({
+                "setting": name, "start": start, "workload": args.workload,
+                "concurrency": run.concurrency, "temperature": run.temperature,
+                "output_throughput": out["output_throughput"],
+                "median_tpot_ms": out["median_tpot_ms"], "p99_tpot_ms": out["p99_tpot_ms"],
+                "median_ttft_ms": out["median_ttft_ms"], "p99_ttft_ms": out["p99_ttft_ms"],
+                "acceptance": (counts["accepted_tokens"] / counts["draft_tokens"]
+                               if counts["draft_tokens"] else None),
+                "mean_accepted_length": (1 + counts["accepted_tokens"] / counts["drafts"]
+                                         if counts["drafts"] else None),
+                "drafted_share": ((counts["rounds_self"] + counts["rounds_lookup"]) / rounds
+                                  if rounds else None),
+                "counts": counts, "finished_at": time.time(),
+            })
+            progress.update()
     return rows
 
 
@@ -153,14 +226,20 @@ def main() -> None:
                         type=lambda s: [int(c) for c in s.split(",")])
     parser.add_argument("--temperatures", default="0,0.8",
                         type=lambda s: [float(t) for t in s.split(",")])
+    parser.add_argument("--workload", default="mixed", choices=sorted(WORKLOADS),
+                        help="mixed: HumanEval and MT-bench questions; multiturn: MT-bench's "
+                             "second turns after the server's answers to the first; edit: "
+                             "HumanEval prompts asked again with one of their tests required, "
+                             "after the server answered them")
     parser.add_argument("--starts", type=int, default=3, help="engine starts per setting")
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--prompts-per-client", type=int, default=2)
     parser.add_argument("--min-prompts", type=int, default=8)
     parser.add_argument("--warmup-waves", type=int, default=1,
-                        help="before each measured run, this many waves of --max-concurrency "
-                             "requests that are not measured (vLLM's --num-warmups): a server "
-                             "that has run for a while, as in production, not its first requests")
+                        help="mixed: before each measured run, this many waves of "
+                             "--max-concurrency requests that are not measured: a server that "
+                             "has run for a while, as in production, not its first requests "
+                             "(the other workloads' first turns are their warm-up)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=int, default=4)
     parser.add_argument("--dtype", default=fast_dtype())
@@ -173,12 +252,14 @@ def main() -> None:
     if "plain" not in args.settings:
         args.settings.insert(0, "plain")
     model_dir = ROOT / "models" / args.model
-    prompts = write_prompts(RESULTS / "logs" / f"{args.name}-prompts.jsonl",
-                            max(args.min_prompts, max(args.concurrency) * args.prompts_per_client),
-                            args.output_tokens)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    runs, reused = plan_runs(args)
+    if reused:
+        print(f"--workload {args.workload} has fewer items than the runs ask for; runs on a "
+              f"server share some, which a cache of past responses has seen")
     others = [s for s in args.settings if s != "plain"]
     rows: list[dict] = []
-    per_server = len(args.concurrency) * len(args.temperatures)
+    per_server = len(runs)
     # (setting, start); plain's server s is the one just before start s's others.
     if others:
         order = [("plain", 0)]
@@ -189,9 +270,11 @@ def main() -> None:
     with tqdm(total=len(order) * per_server, desc="bench runs") as progress:
         for name, start in order:
             progress.set_postfix_str(f"start {start + 1}: {name}")
-            rows += measure(name, known[name], model_dir, prompts, args, start, progress)
+            rows += measure(name, known[name], model_dir, tokenizer, runs, args, start,
+                            progress)
             (RESULTS / f"{args.name}.json").write_text(json.dumps(
                 {"argv": sys.argv, "cpu_flags": cpu_flags(), "dtype": args.dtype,
+                 "workload": args.workload, "items_shared_between_runs": reused,
                  "rows": rows}, indent=1))
     report = serving_table(rows, args)
     (RESULTS / f"{args.name}.md").write_text(report)

@@ -1,4 +1,6 @@
-"""Real prompt sets from PyPI wheels: HumanEval, MT-bench and GSM-style problems."""
+"""Real prompt sets from PyPI wheels: HumanEval, MT-bench and GSM-style problems,
+and requests that follow earlier ones (MT-bench's second turns, HumanEval asked
+again with a change)."""
 
 from __future__ import annotations
 
@@ -52,6 +54,28 @@ def _mtbench_turns(turn: int) -> list[str]:
     for question in questions:
         by_category.setdefault(question["category"], []).append(question["turns"][turn])
     return [q for group in zip(*by_category.values()) for q in group]
+
+
+def mtbench_conversations(count: int) -> list[tuple[str, str]]:
+    """(first turn, second turn) of MT-bench questions, cycling through the
+    categories; the second turn is asked after the model's own first answer."""
+    return list(zip(_mtbench_turns(0), _mtbench_turns(1)))[:count]
+
+
+def humaneval_edits(count: int) -> list[tuple[str, str]]:
+    """(request, the same request asked again with a change): a HumanEval
+    prompt, then the prompt again with one of HumanEval's own test assertions
+    (on the function's name) required of the answer; the problems that have one."""
+    edits = []
+    for problem in _humaneval_problems():
+        checks = [line.strip() for line in problem["test"].splitlines()
+                  if line.strip().startswith("assert") and "candidate(" in line]
+        if checks:  # a few problems test by a loop, with no assertion to quote
+            check = checks[0].replace("candidate(", f"{problem['entry_point']}(")
+            edits.append((problem["prompt"],
+                          f"{problem['prompt']}\n\nWrite this function again so that it "
+                          f"also passes:\n{check}"))
+    return edits[:count]
 
 
 def gsm_style(count: int, seed: int = 0) -> list[str]:
