@@ -21,6 +21,7 @@ from bench.presets import method_configs
 from bench.report import machine_warnings, print_table, summarize
 from bench.runner import CONSOLE, Run, keep_nearer
 from bench.workload import benchmark_requests, prompt_set_names
+from serve_sweep import plan_runs
 from vllm.engine.arg_utils import EngineArgs
 
 
@@ -218,6 +219,29 @@ def test_every_prompt_set_takes_turns_request_by_request():
     assert [name for name, _ in benchmark_requests(4, ["mixed"])] == ["mixed"] * 4
     with pytest.raises(Exception, match="unknown prompt set math"):
         prompt_set_names("gsm,math")
+
+
+@pytest.mark.parametrize("workload", ["mixed", "multiturn", "edit"])
+def test_no_serving_run_asks_what_an_earlier_run_on_its_server_asked(workload):
+    """A cache of past answers (suffix decoding's) drafts a request asked
+    before exactly: each run of a server gets its own items, the mixed
+    workload's warm-ups are none of them, and the follow-ups of the
+    multi-turn and edit workloads differ from what they follow."""
+    args = SimpleNamespace(temperatures=[0.0, 0.8], concurrency=[1, 4], min_prompts=8,
+                           prompts_per_client=4, workload=workload, warmup_waves=1)
+    runs, shared = plan_runs(args)
+    assert not shared
+    assert [len(run.items) for run in runs] == [8, 16, 8, 16]
+    items = [repr(item) for run in runs for item in run.items]
+    assert len(set(items)) == len(items)
+    if workload == "mixed":
+        assert [len(run.warmups) for run in runs] == [1, 4, 1, 4]
+        assert not set(w for run in runs for w in run.warmups) & set(items)
+    else:
+        assert all(not run.warmups and all(first != second for first, second in run.items)
+                   for run in runs)
+    args.concurrency = [1, 2, 4, 8, 16, 32]  # 512 requests: more than the sets hold
+    assert plan_runs(args)[1]
 
 
 def test_each_prompt_set_is_compared_on_its_own_requests():

@@ -183,6 +183,23 @@ def test_the_gate_opens_every_head_until_it_can_weigh_them_and_probes_and_shadow
     assert [r.shadow for r in rounds] == [False, False, False, True]
 
 
+def test_a_round_that_opens_heads_to_measure_them_is_a_trial():
+    """Heads opened because they have no record, or by a probe, are a trial
+    (their outcome is not what the method's steady drafts accept); a head
+    open because it pays, heads closed, a shadow round and a gate that is not
+    cost-aware are not."""
+    assert gate_with((5, 5), [(0, 5)] * 3).next_round(GATE_COSTS, 1, 5).trial  # no records
+    one_unmeasured = gate_with((89, 100), [(62, 100), (89, 100), (0, 5)])
+    assert one_unmeasured.next_round(GATE_COSTS, 1, 5).trial
+    paying = gate_with((89, 100), [(62, 100), (89, 100), (80, 100)])
+    assert not paying.next_round(GATE_COSTS, 1, 5).trial  # the middle head open: it pays
+    assert not paying.next_round(None, 1, 5).trial
+    paying.probe_every = 4
+    rounds = [paying.next_round(GATE_COSTS, 1, 5) for _ in range(4)]  # rounds 3..6
+    assert [r.trial for r in rounds] == [False, True, False, False]
+    assert rounds[3].shadow
+
+
 def test_a_head_pays_where_the_draft_step_is_dear_and_only_at_batch_one():
     # The same head and base: at a cheap draft step the exit's saving cannot
     # make up for its acceptance, at a dear one it does by more than the

@@ -4,6 +4,7 @@ the adaptive state gets from a round."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -124,8 +125,32 @@ def test_a_round_drops_the_state_of_requests_vllm_no_longer_holds():
     assert policy.start_round(["a"], {"a"}, None, 1, 0.03) == {"a"}
     assert set(policy.self_records.requests) == {"a"}
     assert policy.per_request_state() == {"self_records": 1, "lookup_records": 0,
-                                          "looked_up": 0}
+                                          "looked_up": 0, "trials": 0}
     assert policy.counters.rounds == 4
+
+
+def test_a_trial_round_teaches_the_method_but_not_the_acceptance_records():
+    """A method's trial drafts (AdaDecode probing its closed heads) reach the
+    method's feedback but neither the request's acceptance record nor the
+    engine's; the request's next round counts again, and a trial note of a
+    request vLLM no longer holds is dropped."""
+    policy = round_policy()
+    batch = ["a", "b"]
+    policy.take_feedback(batch, [4, 4], [0, 0], num_tokens=10, started=0.0)
+    before = {req: copy.copy(policy.self_records.requests[req]) for req in batch}
+    engine_before = copy.copy(policy.self_records.engine)
+    policy.note_trials(["a"])
+    feedback = policy.take_feedback(batch, [4, 4], [4, 4], num_tokens=10, started=0.1)
+    assert [req for req, *_ in feedback.self_drafted] == batch  # both reach the method
+    assert policy.self_records.requests["a"] == before["a"]  # the trial: unmoved
+    assert policy.self_records.requests["b"] != before["b"]
+    assert policy.self_records.engine != engine_before  # b's rejections only
+    assert policy.trials == set()
+    policy.take_feedback(batch, [4, 4], [4, 4], num_tokens=10, started=0.2)
+    assert policy.self_records.requests["a"] != before["a"]  # the next round counts
+    policy.note_trials(["a", "b"])
+    policy.start_round(["a"], {"a"}, None, 1, 0.3)
+    assert policy.trials == {"a"}
 
 
 def test_feedback_counts_only_verified_drafts():
@@ -282,7 +307,7 @@ def test_lookup_length_follows_the_requests_own_lookups():
         assert policy.lookup_lengths(["chat"], costs, 12) == [length], rounds
     assert set(policy.self_records.requests) == {"self"}  # lookups stay out of it
     assert policy.per_request_state() == {"self_records": 1, "lookup_records": 2,
-                                          "looked_up": 2}
+                                          "looked_up": 2, "trials": 0}
     assert policy.lookup_lengths(["copy", "chat"], False, 12) == [12, 12]
     # Untimed lookups fall back to a draft token's cost: they stay short.
     assert StepCosts(per_draft=0.8).for_lookup() == StepCosts(0.8, 0.0, 0.8)

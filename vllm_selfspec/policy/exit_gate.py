@@ -25,7 +25,10 @@ it is accepted as often as the full-depth draft.
 Acceptances count the drafts a verification reached (the first rejected draft
 included, none after it), a moving average per source, so a closed head's
 record waits for its next trial: in every `probe_every` drafting rounds one
-opens every head and one is a shadow round. Inputs are verified tokens and the
+opens every head and one is a shadow round. A round with a head open to be
+measured rather than because it pays (a probe, or a head with no record) is a
+trial: its outcome teaches the gate, not the requests' acceptance records.
+Inputs are verified tokens and the
 costs rank 0 shares, alike on every tensor-parallel rank, so every rank opens
 the same heads.
 """
@@ -46,12 +49,16 @@ BASE = -1
 
 @dataclass(frozen=True)
 class GateRound:
-    """A drafting round's heads: which may draft, and whether this is a
-    shadow round (every head's confidence computed, every token drafted at
-    full depth)."""
+    """A drafting round's heads: which may draft, whether this is a shadow
+    round (every head's confidence computed, every token drafted at full
+    depth), and whether it is a trial."""
 
     open: list[bool]
     shadow: bool = False
+    # A head is open to be measured, not because it pays (a probe round, or a
+    # head with no record yet): the round's outcome is not what the method's
+    # steady drafts accept (`RoundPolicy.note_trials`).
+    trial: bool = False
 
 
 @dataclass
@@ -100,24 +107,27 @@ class ExitGate:
         self.rounds += 1
         every = [True] * len(self.depth_shares)
         base = self.acceptance(BASE)
-        if costs is None or self.rounds % self.probe_every == 0:
+        if costs is None:
             return GateRound(every)
+        if self.rounds % self.probe_every == 0:
+            return GateRound(every, trial=True)
         if self.rounds % self.probe_every == self.probe_every // 2:
             return GateRound([False] * len(self.depth_shares), shadow=True)
         if base is None:
-            return GateRound(every)
+            return GateRound(every, trial=True)
         tail = expected_tokens(base, max_drafts - 1)
         full_cost = 1.0 + costs.round_overhead + max_drafts * costs.per_draft
         step = max(0.0, costs.per_draft - batch_size * (costs.per_verified or 0.0))
-        opened = []
+        opened, unmeasured = [], False
         for head, share in enumerate(self.depth_shares):
             ours = self.acceptance(head)
             theirs = self.acceptance(self.shadowed(head))
             theirs = base if theirs is None else theirs
             saving = (1.0 - share) * step if batch_size == 1 else 0.0
+            unmeasured |= ours is None
             opened.append(ours is None or (1.0 + ours * tail) / (full_cost - saving)
                           > (1.0 + MIN_GAIN) * (1.0 + theirs * tail) / full_cost)
-        return GateRound(opened)
+        return GateRound(opened, trial=unmeasured)
 
     def describe(self) -> dict:
         heads = range(len(self.depth_shares))

@@ -153,6 +153,8 @@ class RoundPolicy:
         # Requests whose newest drafts were looked up. A request vLLM leaves
         # out of a step keeps its drafts and their source until it is verified.
         self.looked_up: set[str] = set()
+        # Requests whose newest self-drafts were a method's trial (`note_trials`).
+        self.trials: set[str] = set()
         self.clock = RoundClock()
         self._previous_round: RoundTiming | None = None
         self.forward_times: ForwardTimes | None = None  # profiling mode, at start-up
@@ -168,7 +170,7 @@ class RoundPolicy:
         """Requests with state held now, per kind of state."""
         return {"self_records": len(self.self_records.requests),
                 "lookup_records": len(self.lookup_records.requests),
-                "looked_up": len(self.looked_up)}
+                "looked_up": len(self.looked_up), "trials": len(self.trials)}
 
     def prior_at(self, batch_size: int) -> StepCosts:
         """The stand-in costs at `batch_size` (`ForwardTimes.prior_at`)."""
@@ -219,6 +221,7 @@ class RoundPolicy:
             self.self_records.forget(live)
             self.lookup_records.forget(live)
             self.looked_up &= live
+            self.trials &= live
             self._held_requests = len(live)
         self.counters.rounds += 1
         return live
@@ -237,15 +240,18 @@ class RoundPolicy:
             for req_id, accepted, scheduled in verified_feedback(req_ids, verified, rejected):
                 accepted_now[req_id] = accepted
                 looked_up = req_id in self.looked_up
+                if not looked_up:
+                    self_drafted.append((req_id, accepted, scheduled))
+                    if req_id in self.trials:
+                        continue  # it teaches the method, not what its drafts accept
                 records = self.lookup_records if looked_up else self.self_records
                 records.add_request_round(req_id, accepted, scheduled, self.counters.rounds)
                 counts = round_counts[looked_up]
                 counts[0] += accepted
                 counts[1] += int(accepted < scheduled)
-                if not looked_up:
-                    self_drafted.append((req_id, accepted, scheduled))
             self.self_records.add_engine_round(*round_counts[False])
             self.lookup_records.add_engine_round(*round_counts[True])
+        self.trials.difference_update(req_ids)
         self._score_previous_round(req_ids, verified, num_tokens, started, accepted_now)
         return RoundFeedback(accepted_now, self_drafted)
 
@@ -274,6 +280,15 @@ class RoundPolicy:
         then goes to the record of the drafts it had."""
         self.looked_up.difference_update(req_ids)
         self.looked_up.update(looked_up)
+
+    def note_trials(self, req_ids: list[str]) -> None:
+        """This round's self-drafts of these requests are a method's trial, not
+        how it drafts steadily (AdaDecode's probe of heads it has closed, or of
+        heads not yet measured): their outcome reaches the method
+        (`observe_round`) but not the acceptance records that decide whether
+        and how far the requests draft, which would take a trial's rejections
+        for the method's own. The note lasts until the request's next round."""
+        self.trials.update(req_ids)
 
     def decide(self, req_ids: list[str], num_speculative_tokens: int,
                may_draft: list[bool]) -> DraftDecision | None:
@@ -319,6 +334,7 @@ class RoundPolicy:
         self._previous_round = None
         self._quiet_until = 0
         self.note_lookups(req_ids, [])
+        self.trials.difference_update(req_ids)
 
     # --- costs -----------------------------------------------------------------
     def timed_costs(self, batch_size: int) -> StepCosts | None | bool:

@@ -13,7 +13,9 @@ against the base's acceptance on the tokens that head is sure of
 computed), and with every head closed a round drafts as the base does, one
 token per step without the window below. In every 32 drafting rounds one
 opens every head and one is a shadow round (every head's confidence read,
-every token drafted at full depth), so both records stay current. With
+every token drafted at full depth), so both records stay current; a round
+that opens heads to measure them, not because they pay, is a trial, kept out
+of the requests' acceptance records. With
 `full_depth: false` a token
 no head is sure of ends the request's drafts and the verification forward
 produces it, as AdaDecode's last layer does. At most `max_early` drafts are
@@ -146,6 +148,8 @@ class AdaDecodeProposer(EarlyExitProposer):
         costs = self.policy.timed_costs(len(req_ids)) if self.options.cost_aware else None
         self.gate_round = self.exit_gate.next_round(costs or None, len(req_ids),
                                                     self.num_speculative_tokens)
+        if self.gate_round.trial:
+            self.policy.note_trials(req_ids)
 
     def forget_finished(self, live_req_ids: set[str]) -> None:
         for req_id in set(self._round_rows) - live_req_ids:
