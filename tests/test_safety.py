@@ -134,17 +134,20 @@ def test_a_trial_round_teaches_the_method_but_not_the_acceptance_records():
     method's feedback but neither the request's acceptance record nor the
     engine's; the request's next round counts again, and a trial note of a
     request vLLM no longer holds is dropped."""
-    policy = round_policy()
+    policy, b_alone = round_policy(), round_policy()
     batch = ["a", "b"]
-    policy.take_feedback(batch, [4, 4], [0, 0], num_tokens=10, started=0.0)
+    for records in (policy, b_alone):
+        records.take_feedback(batch, [4, 4], [0, 0], num_tokens=10, started=0.0)
     before = {req: copy.copy(policy.self_records.requests[req]) for req in batch}
     engine_before = copy.copy(policy.self_records.engine)
     policy.note_trials(["a"])
     feedback = policy.take_feedback(batch, [4, 4], [4, 4], num_tokens=10, started=0.1)
+    b_alone.take_feedback(batch, [0, 4], [0, 4], num_tokens=10, started=0.1)
     assert [req for req, *_ in feedback.self_drafted] == batch  # both reach the method
     assert policy.self_records.requests["a"] == before["a"]  # the trial: unmoved
     assert policy.self_records.requests["b"] != before["b"]
-    assert policy.self_records.engine != engine_before  # b's rejections only
+    # The engine's record took b's rejections and nothing of a's.
+    assert policy.self_records.engine == b_alone.self_records.engine != engine_before
     assert policy.trials == set()
     policy.take_feedback(batch, [4, 4], [4, 4], num_tokens=10, started=0.2)
     assert policy.self_records.requests["a"] != before["a"]  # the next round counts
