@@ -1,6 +1,7 @@
 """AdaDecode on the real engine: lossless greedy and sampling with the shipped
 SmolLM2 heads, early exits drafting some tokens and the full-depth draft the
-rest, the exit gate learning each head's acceptance and the base's, only full-depth drafts above threshold 1 (none without `full_depth`),
+rest, the exit gate learning each head's acceptance and the base's, above
+threshold 1 draft_verify's own rounds (none without `full_depth`),
 100 % acceptance when the only exit is the last layer, bad heads refused at
 start-up, and a training run that lowers held-out KL."""
 
@@ -73,8 +74,12 @@ def test_the_exit_gate_learns_each_heads_acceptance_and_the_bases(adadecode, tes
     assert gate["open"] == [True] * 3, gate
 
 
-def test_threshold_above_one_drafts_at_full_depth_only(adadecode, plain_outputs,
-                                                       test_prompts):
+def test_with_no_head_exiting_the_rounds_are_draft_verifys(adadecode, plain_outputs,
+                                                            test_prompts):
+    """Above threshold 1 no head exits: every draft is the full-depth base's,
+    and the rounds are `draft_verify`'s at its defaults, the same drafts per
+    round under the same adaptive confidence stop (over the exact draft,
+    every one accepted)."""
     adadecode.collective_rpc("selfspec_set_option", args=("threshold", 1.01))
     try:
         acceptance = Acceptance()
@@ -82,9 +87,18 @@ def test_threshold_above_one_drafts_at_full_depth_only(adadecode, plain_outputs,
     finally:
         adadecode.collective_rpc("selfspec_set_option",
                                  args=("threshold", EAGER_EXITS["threshold"]))
+    draft_verify = start_engine({"method": "draft_verify"})
+    try:
+        base = Acceptance()
+        greedy(draft_verify, test_prompts[:8], 8, acceptance=base)
+    finally:
+        stop_engine(draft_verify)
     assert outputs == plain_outputs[8][:8]
     assert acceptance.accepted == acceptance.drafted > 0, acceptance
     assert acceptance.sources["mechanism_drafted"] == 0, acceptance
+    assert acceptance.drafted < 12 * acceptance.rounds, acceptance  # the stop ended rounds
+    assert (acceptance.rounds, acceptance.drafted) == (base.rounds, base.drafted), (
+        acceptance, base)
 
 
 def test_without_full_depth_threshold_above_one_is_plain_decoding(plain_outputs,

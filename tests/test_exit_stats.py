@@ -1,17 +1,49 @@
-"""Early-exit arithmetic against values computed by hand: DEL's statistics
-from the paper's formulas, and the gate that keeps AdaDecode's heads only
-where they beat the full-depth draft they replace."""
+"""Drafts' stopping and exit arithmetic against values computed by hand: Draft
+& Verify's adaptive confidence threshold, DEL's statistics from the paper's
+formulas, and the gate that keeps AdaDecode's heads only where they beat the
+full-depth draft they replace."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from vllm_selfspec.policy.confidence_stop import REFERENCE_RULE, ConfidenceStop, ThresholdRule
 from vllm_selfspec.policy.exit_gate import BASE, ExitGate
 from vllm_selfspec.policy.exit_stats import ExitStats, tokens_per_layer
 from vllm_selfspec.policy.payoff import StepCosts
 
 LAYERS = np.array([8, 15, 22])
+
+
+def test_the_threshold_rises_while_acceptance_is_below_target_and_falls_above_it():
+    stop = ConfidenceStop(REFERENCE_RULE)
+    assert stop.gammas(["a", "b"]) == [0.6, 0.6]
+    stop.observe("a", accepted=1, drafted=4)  # AR = 0.25 <= 0.9: gamma -> 0.9*0.6 + 0.1*0.61
+    assert stop.requests["a"].acceptance == 0.25
+    assert stop.gammas(["a"]) == [pytest.approx(0.601)]
+    stop.observe("a", accepted=4, drafted=4)  # AR = 0.625, still below: up again
+    assert stop.requests["a"].acceptance == 0.625
+    assert stop.gammas(["a"]) == [pytest.approx(0.9 * 0.601 + 0.1 * 0.611)]
+    for _ in range(3):
+        stop.observe("b", accepted=4, drafted=4)  # AR = 1 > 0.9: down each round
+    assert stop.gammas(["b"]) == [pytest.approx(0.597)]
+    assert not stop.never_stops()
+
+
+def test_a_fixed_threshold_stays_and_zero_never_stops():
+    fixed = ConfidenceStop(ThresholdRule(threshold=0.3, adaptive_threshold=False))
+    fixed.observe("a", accepted=0, drafted=4)
+    assert fixed.gammas(["a"]) == [0.3] and not fixed.never_stops()
+    assert ConfidenceStop(ThresholdRule(threshold=0.0, adaptive_threshold=False)).never_stops()
+
+
+def test_thresholds_are_held_for_live_requests_only():
+    stop = ConfidenceStop(REFERENCE_RULE)
+    for req_id in "abc":
+        stop.observe(req_id, accepted=2, drafted=3)
+    stop.forget({"b"})
+    assert len(stop) == 1 and set(stop.requests) == {"b"}
 
 
 def one_round(decay: float = 0.95) -> ExitStats:
@@ -170,9 +202,11 @@ def test_a_head_is_weighed_against_the_base_on_the_tokens_it_is_sure_of():
     assert opened(gate_with((70, 100), head, where_sure=[(95, 100)]))[0] is False
 
 
-def test_the_gate_opens_every_head_until_it_can_weigh_them_and_probes_and_shadows():
-    few = gate_with((5, 5), [(0, 5), (0, 5), (0, 5)])  # under min_reached
-    assert opened(few) == [True] * 3
+def test_unmeasured_heads_open_one_round_in_four_and_the_gate_probes_and_shadows():
+    no_base = gate_with((5, 5), [(0, 5), (0, 5), (0, 5)])  # under min_reached
+    assert [opened(no_base) for _ in range(4)] == [[False] * 3] * 4  # the base drafts alone
+    unmeasured = gate_with((90, 100), [(0, 5), (0, 5), (0, 5)])
+    assert [opened(unmeasured) for _ in range(4)] == [[False] * 3] * 3 + [[True] * 3]
     losing = gate_with((90, 100), [(10, 100)] * 3)
     assert opened(losing) == [False] * 3
     assert opened(losing, costs=None) == [True] * 3  # not cost-aware
@@ -188,9 +222,12 @@ def test_a_round_that_opens_heads_to_measure_them_is_a_trial():
     (their outcome is not what the method's steady drafts accept); a head
     open because it pays, heads closed, a shadow round and a gate that is not
     cost-aware are not."""
-    assert gate_with((5, 5), [(0, 5)] * 3).next_round(GATE_COSTS, 1, 5).trial  # no records
+    no_base = gate_with((5, 5), [(0, 5)] * 3)
+    assert not any(no_base.next_round(GATE_COSTS, 1, 5).trial for _ in range(8))
     one_unmeasured = gate_with((89, 100), [(62, 100), (89, 100), (0, 5)])
-    assert one_unmeasured.next_round(GATE_COSTS, 1, 5).trial
+    rounds = [one_unmeasured.next_round(GATE_COSTS, 1, 5) for _ in range(4)]
+    assert [r.trial for r in rounds] == [False, False, False, True]
+    assert [r.open for r in rounds] == [[False, True, False]] * 3 + [[False, True, True]]
     paying = gate_with((89, 100), [(62, 100), (89, 100), (80, 100)])
     assert not paying.next_round(GATE_COSTS, 1, 5).trial  # the middle head open: it pays
     assert not paying.next_round(None, 1, 5).trial

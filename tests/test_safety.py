@@ -14,8 +14,10 @@ import pytest
 
 from vllm_selfspec.assets import ROOT
 from vllm_selfspec.diagnostics import set_option
+from vllm_selfspec.policy.confidence_stop import REFERENCE_RULE, ConfidenceStop
 from vllm_selfspec.policy.rounds import RoundPolicy, here, verified_feedback
 from vllm_selfspec.policy.skip_search import CompileBudget, TaskSlots, task_name
+from vllm_selfspec.proposers.adadecode import AdaDecodeProposer
 from vllm_selfspec.proposers.draft_verify import DraftVerifyConfig, DraftVerifyProposer
 from vllm_selfspec.proposers.swift import export_path
 
@@ -97,6 +99,7 @@ def test_the_round_policy_loads_without_torch_or_vllm():
     """The round policy is host logic: importing it, and all it imports,
     loads neither torch nor vLLM (a module that does is seen doing so)."""
     assert heavy_imports("vllm_selfspec.policy.rounds") == "[]"
+    assert heavy_imports("vllm_selfspec.policy.confidence_stop") == "[]"
     assert heavy_imports("vllm_selfspec.draft.tokens") == "['torch']"
 
 
@@ -164,11 +167,19 @@ def test_feedback_counts_only_verified_drafts():
     assert feedback == [("b", 1, 2), ("c", 0, 3)]
 
 
-def test_state_is_kept_until_a_request_really_finishes():
-    proposer = DraftVerifyProposer.__new__(DraftVerifyProposer)
-    proposer.thresholds = {"running": None, "preempted": None, "finished": None}
+@pytest.mark.parametrize("proposer_class", [DraftVerifyProposer, AdaDecodeProposer])
+def test_state_is_kept_until_a_request_really_finishes(proposer_class):
+    """The confidence thresholds of draft_verify and of AdaDecode's base (and
+    AdaDecode's rows of the gate's last round)."""
+    proposer = proposer_class.__new__(proposer_class)
+    proposer.confidence_stop = ConfidenceStop(REFERENCE_RULE)
+    proposer._round_rows = {"running": 0, "finished": 1}
+    for req_id in ("running", "preempted", "finished"):
+        proposer.confidence_stop.observe(req_id, accepted=1, drafted=2)
     proposer.forget_finished({"running", "preempted"})  # what vLLM still holds
-    assert set(proposer.thresholds) == {"running", "preempted"}
+    assert set(proposer.confidence_stop.requests) == {"running", "preempted"}
+    if proposer_class is AdaDecodeProposer:
+        assert proposer._round_rows == {"running": 0}
 
 
 def test_rpc_options_are_validated():

@@ -1,4 +1,5 @@
 """How drafting is decided: each round's budgets (`rounds.py`), what a draft
-pays (`payoff.py`), DEL's exit statistics and SWIFT's skip-set search, each
-tested through its own API. The round policy and the payoff import neither
+pays (`payoff.py`), when a request's drafts stop (`confidence_stop.py`), DEL's
+exit statistics, AdaDecode's exit gate and SWIFT's skip-set search, each tested
+through its own API. The round policy, the payoff and the stop import neither
 torch nor vLLM."""

@@ -25,9 +25,13 @@ it is accepted as often as the full-depth draft.
 Acceptances count the drafts a verification reached (the first rejected draft
 included, none after it), a moving average per source, so a closed head's
 record waits for its next trial: in every `probe_every` drafting rounds one
-opens every head and one is a shadow round. A round with a head open to be
-measured rather than because it pays (a probe, or a head with no record) is a
-trial: its outcome teaches the gate, not the requests' acceptance records.
+opens every head and one is a shadow round. Until the base has a record every
+head is closed; a head with none opens one round in `measure_every`. A round
+with a head open to be measured rather than because it pays (a probe, or a
+head with no record) is a trial: its outcome teaches the gate, not the
+requests' acceptance records, so the rounds that measure the heads never hold
+the requests' own records back (were every round a trial, those records would
+stay at the prior, and requests would decline to draft).
 Inputs are verified tokens and the
 costs rank 0 shares, alike on every tensor-parallel rank, so every rank opens
 the same heads.
@@ -71,13 +75,15 @@ class ExitGate:
     decay: float = 0.98
     min_reached: float = 16.0
     probe_every: int = 32
+    measure_every: int = 4
     rounds: int = 0
     reached: list[float] = field(init=False)
     accepted: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.min_reached <= 0 or self.probe_every < 2:
-            raise ValueError("ExitGate: min_reached must be > 0 and probe_every >= 2")
+        if self.min_reached <= 0 or self.probe_every < 2 or self.measure_every < 1:
+            raise ValueError("ExitGate: min_reached must be > 0, probe_every >= 2 and "
+                             "measure_every >= 1")
         sources = 2 * len(self.depth_shares) + 1  # heads, shadowed heads, the base last
         self.reached = [0.0] * sources
         self.accepted = [0.0] * sources
@@ -105,29 +111,33 @@ class ExitGate:
         """The heads of the next drafting round at these costs (None: not
         cost-aware, every head drafts)."""
         self.rounds += 1
-        every = [True] * len(self.depth_shares)
+        every, closed = [True] * len(self.depth_shares), [False] * len(self.depth_shares)
         base = self.acceptance(BASE)
         if costs is None:
             return GateRound(every)
         if self.rounds % self.probe_every == 0:
             return GateRound(every, trial=True)
         if self.rounds % self.probe_every == self.probe_every // 2:
-            return GateRound([False] * len(self.depth_shares), shadow=True)
+            return GateRound(closed, shadow=True)
         if base is None:
-            return GateRound(every, trial=True)
+            return GateRound(closed)  # the base drafts alone until it has a record
+        measuring = self.rounds % self.measure_every == 0
         tail = expected_tokens(base, max_drafts - 1)
         full_cost = 1.0 + costs.round_overhead + max_drafts * costs.per_draft
         step = max(0.0, costs.per_draft - batch_size * (costs.per_verified or 0.0))
-        opened, unmeasured = [], False
+        opened, measured_now = [], False
         for head, share in enumerate(self.depth_shares):
             ours = self.acceptance(head)
+            if ours is None:  # open to be measured, one round in measure_every
+                opened.append(measuring)
+                measured_now |= measuring
+                continue
             theirs = self.acceptance(self.shadowed(head))
             theirs = base if theirs is None else theirs
             saving = (1.0 - share) * step if batch_size == 1 else 0.0
-            unmeasured |= ours is None
-            opened.append(ours is None or (1.0 + ours * tail) / (full_cost - saving)
+            opened.append((1.0 + ours * tail) / (full_cost - saving)
                           > (1.0 + MIN_GAIN) * (1.0 + theirs * tail) / full_cost)
-        return GateRound(opened, trial=unmeasured)
+        return GateRound(opened, trial=measured_now)
 
     def describe(self) -> dict:
         heads = range(len(self.depth_shares))

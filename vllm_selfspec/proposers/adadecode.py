@@ -6,20 +6,24 @@ the first exit head whose top-1 probability exceeds `threshold`. A token no
 head is sure of runs on to the last layer and is drafted there by the model's
 own head (`full_depth`, the default): the full-depth draft over the cheap
 base's weights, so an early exit only ever replaces a dearer draft of the same
-token. Over that base each head drafts only while it pays: cost-aware, the
-engine weighs each head's measured acceptance and the draft step it saves
-against the base's acceptance on the tokens that head is sure of
-(`policy/exit_gate.py`); a closed head's tokens go deeper (its logits are not
-computed), and with every head closed a round drafts as the base does, one
-token per step without the window below. In every 32 drafting rounds one
-opens every head and one is a shadow round (every head's confidence read,
-every token drafted at full depth), so both records stay current; a round
-that opens heads to measure them, not because they pay, is a trial, kept out
-of the requests' acceptance records. With
-`full_depth: false` a token
-no head is sure of ends the request's drafts and the verification forward
-produces it, as AdaDecode's last layer does. At most `max_early` drafts are
-outstanding: that is the round length.
+token. The base drafts as `draft_verify` at its defaults does: rounds of up to
+num_speculative_tokens (12) drafts, each request's ending after a draft below
+its adaptive confidence threshold (`policy/confidence_stop.py`); at most
+`max_early` of a round's drafts come from the heads.
+
+Over that base each head drafts only while it pays: cost-aware, the engine
+weighs each head's measured acceptance and the draft step it saves against the
+base's acceptance on the tokens that head is sure of (`policy/exit_gate.py`); a
+closed head's tokens go deeper (its logits are not computed), and with every
+head closed a round is the base's own, one token per step without the window
+below. In every 32 drafting rounds one opens every head and one is a shadow
+round (every head's confidence read, every token drafted at full depth), so
+both records stay current, and a head with no record yet opens one round in
+4; a round that opens heads to measure them, not because they pay, is a
+trial, kept out of the requests' acceptance records.
+With `full_depth: false` a token no head is sure of ends the request's drafts
+and the verification forward produces it, as AdaDecode's last layer does, and
+a round is at most `max_early` drafts long.
 
 The deeper layers of an early token are deferred, not dropped: the next draft
 step's query holds the whole round so far (the sampled token and every earlier
@@ -45,6 +49,11 @@ from vllm.config.utils import config
 
 from vllm_selfspec.config import SelfSpecConfigError
 from vllm_selfspec.draft.tokens import top1_probability
+from vllm_selfspec.policy.confidence_stop import (
+    REFERENCE_MAX_DRAFTS,
+    REFERENCE_RULE,
+    ConfidenceStop,
+)
 from vllm_selfspec.policy.exit_gate import BASE, ExitGate, GateRound
 from vllm_selfspec.proposers.base import DraftStep, VerifiedTokens
 from vllm_selfspec.proposers.draft_metadata import window_metadata
@@ -66,17 +75,19 @@ class AdaDecodeConfig(EarlyExitConfig):
     this; above 1 nothing exits early (every draft is full depth, or with
     full_depth false there is none: plain decoding)."""
     max_early: int | None = None
-    """The most early predictions outstanding: num_speculative_tokens, under
-    the paper's name. Default: num_speculative_tokens's."""
+    """The most early predictions outstanding: a round's drafts made by exit
+    heads (with full_depth false every draft is, so it bounds the round's
+    length)."""
     full_depth: bool | None = None
     """A token no head is confident about is drafted by the whole model over
-    the draft's weights, so an early exit only replaces a dearer draft, and
-    (cost-aware) a head drafts only while its measured acceptance pays for
-    what it saves; false: such a token ends the request's drafts and every
-    head drafts, as in the paper."""
+    the draft's weights, and a round ends as draft_verify's do (after a draft
+    below the request's adaptive confidence threshold), so an early exit only
+    replaces a dearer draft, and (cost-aware) a head drafts only while its
+    measured acceptance pays for what it saves; false: such a token ends the
+    request's drafts and every head drafts, as in the paper."""
 
-    default_num_speculative_tokens = 5
-    defaults = {"threshold": 0.75, "full_depth": True}
+    default_num_speculative_tokens = REFERENCE_MAX_DRAFTS
+    defaults = {"threshold": 0.75, "full_depth": True, "max_early": 5}
 
     def validate_method_fields(self) -> None:
         self.validate_heads_field()
@@ -85,12 +96,11 @@ class AdaDecodeConfig(EarlyExitConfig):
                 f"speculative_config.threshold: {self.threshold} is negative; give a "
                 "probability such as 0.75 (above 1 disables early exits)."
             )
-        if self.max_early is not None:
-            if self.max_early < 1:
-                raise SelfSpecConfigError(
-                    f"speculative_config.max_early: {self.max_early} must be >= 1.")
-            self.num_speculative_tokens = self.max_early
-        self.max_early = self.num_speculative_tokens
+        if self.max_early < 1:
+            raise SelfSpecConfigError(
+                f"speculative_config.max_early: {self.max_early} must be >= 1.")
+        if not self.full_depth:
+            self.num_speculative_tokens = min(self.num_speculative_tokens, self.max_early)
 
     def method_hash_factors(self) -> list:
         return [self.heads, self.exit_layers, self.full_depth]
@@ -114,6 +124,10 @@ class AdaDecodeProposer(EarlyExitProposer):
         # host when the next round's feedback arrives.
         self._round_rows: dict[str, int] = {}
         self._round_sources: torch.Tensor | list[list[int]] | None = None
+        # Each row's early drafts in this round (at most max_early).
+        self._early_drafts: torch.Tensor | None = None
+        # The full-depth base's stop: draft_verify's at its defaults.
+        self.confidence_stop = ConfidenceStop(REFERENCE_RULE)
 
     def segment_ends(self, num_layers: int) -> list[int]:
         """The exits, then the last layer where tokens no head is sure of go
@@ -130,7 +144,10 @@ class AdaDecodeProposer(EarlyExitProposer):
         return draft
 
     def observe_round(self, req_id: str, accepted: int, drafted: int) -> None:
-        """The gate learns each head's acceptance and the base's."""
+        """The base's threshold moves; the gate learns each head's acceptance
+        and the base's."""
+        if self.fallback_end is not None:
+            self.confidence_stop.observe(req_id, accepted, drafted)
         row = self._round_rows.get(req_id)
         if self.exit_gate is None or row is None or self._round_sources is None:
             return
@@ -154,9 +171,18 @@ class AdaDecodeProposer(EarlyExitProposer):
     def forget_finished(self, live_req_ids: set[str]) -> None:
         for req_id in set(self._round_rows) - live_req_ids:
             del self._round_rows[req_id]
+        self.confidence_stop.forget(live_req_ids)
 
     def per_request_state(self) -> dict[str, int]:
-        return {**super().per_request_state(), "exit_gate_rows": len(self._round_rows)}
+        return {**super().per_request_state(), "exit_gate_rows": len(self._round_rows),
+                "thresholds": len(self.confidence_stop)}
+
+    def stop_after(self, req_ids, logits, step):
+        """Over the full-depth base, the base's confidence stop (`full_depth`
+        false: a token no head is sure of ends the drafts instead)."""
+        if self.fallback_end is None:
+            return None
+        return self.stop_below_threshold(self.confidence_stop, req_ids, logits, step)
 
     def draft_step(self, round_tokens, positions, cad, step, drafting):
         gate = self.gate_round
@@ -174,6 +200,10 @@ class AdaDecodeProposer(EarlyExitProposer):
         newest = torch.arange(width - 1, batch_size * width, width, device=self.device)
         exited = ~drafting  # requests that stopped need no deeper layers
         early = torch.zeros_like(drafting)  # drafted at an exit head (the mechanism)
+        if step == 0:
+            self._early_drafts = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
+        # A row with max_early early drafts outstanding goes on to full depth.
+        exits_left = self._early_drafts < self.options.max_early
         chosen = None
         hidden_states = residual = None
         made_by = torch.full_like(drafting, BASE, dtype=torch.int8)  # each row's source
@@ -195,7 +225,7 @@ class AdaDecodeProposer(EarlyExitProposer):
                         made_by.masked_fill_(sure & (made_by == BASE),
                                              self.exit_gate.shadowed(head))
                         continue
-                    take = sure
+                    take = sure & exits_left
                     early |= take
                     made_by.masked_fill_(take, head)
                 chosen = logits if chosen is None else torch.where(
@@ -204,6 +234,7 @@ class AdaDecodeProposer(EarlyExitProposer):
                 if bool(exited.all()):
                     break
         self.policy.counters.add_step(segment.end)
+        self._early_drafts += early
         if isinstance(self._round_sources, torch.Tensor) and (
                 step < self._round_sources.shape[1]):
             self._round_sources[:, step] = made_by

@@ -61,9 +61,10 @@ from vllm_selfspec.draft.lookup import (
     request_contexts,
 )
 from vllm_selfspec.draft.sampling import DraftSampler
-from vllm_selfspec.draft.tokens import BASE, LOOKUP, MECHANISM, NO_DRAFT
+from vllm_selfspec.draft.tokens import BASE, LOOKUP, MECHANISM, NO_DRAFT, top1_probability
 from vllm_selfspec.draft.weights import DraftWeights
 from vllm_selfspec.models import adapter_for
+from vllm_selfspec.policy.confidence_stop import ConfidenceStop
 from vllm_selfspec.policy.payoff import ForwardTimes, StepCosts
 from vllm_selfspec.policy.rounds import DraftDecision, RoundPolicy
 from vllm_selfspec.proposers.draft_metadata import decode_metadata
@@ -140,6 +141,17 @@ class SelfSpecProposer(DraftModelProposer):
     ) -> torch.Tensor | None:
         """Bool per request: stop drafting after this step's token. None: never."""
         return None
+
+    def stop_below_threshold(self, stop: ConfidenceStop, req_ids: list[str],
+                             logits: torch.Tensor, step: int) -> torch.Tensor | None:
+        """`stop_after` by each request's confidence threshold (`stop`)."""
+        if stop.never_stops():
+            return None
+        confidence = top1_probability(logits)
+        if step == 0:  # thresholds change only between rounds
+            self._round_gammas = torch.tensor(stop.gammas(req_ids), dtype=confidence.dtype,
+                                              device=confidence.device)
+        return confidence < self._round_gammas
 
     def forget_finished(self, live_req_ids: set[str]) -> None:
         """Drop per-request state of requests vLLM no longer holds (finished
