@@ -277,6 +277,8 @@ class Acceptance:
     accepted: int = 0
     rounds: int = 0
     sources: collections.Counter = field(default_factory=collections.Counter)  # our token_sources, summed
+    # Rounds by their accepted drafts (vLLM's per-request histograms, summed).
+    rounds_accepting: collections.Counter = field(default_factory=collections.Counter)
 
     def add(self, output) -> None:
         for completion in output.outputs:  # n > 1: each has its own metrics
@@ -285,6 +287,8 @@ class Acceptance:
                 self.drafted += stats.num_draft_tokens
                 self.accepted += sum(j * n for j, n in enumerate(stats.histogram))
                 self.rounds += sum(stats.histogram)
+                self.rounds_accepting.update(
+                    {accepted: n for accepted, n in enumerate(stats.histogram) if n})
                 self.sources.update(stats.token_sources)
 
 

@@ -5,6 +5,9 @@ full-depth draft they replace."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -36,6 +39,17 @@ def test_a_fixed_threshold_stays_and_zero_never_stops():
     fixed.observe("a", accepted=0, drafted=4)
     assert fixed.gammas(["a"]) == [0.3] and not fixed.never_stops()
     assert ConfidenceStop(ThresholdRule(threshold=0.0, adaptive_threshold=False)).never_stops()
+
+
+def test_options_changed_while_serving_apply_to_every_request():
+    options = SimpleNamespace(**asdict(REFERENCE_RULE))  # draft_verify's, set by RPC
+    stop = ConfidenceStop(options)
+    stop.observe("a", accepted=0, drafted=4)
+    assert stop.gammas(["a"]) == [pytest.approx(0.601)]
+    options.adaptive_threshold, options.threshold = False, 0.3
+    assert stop.gammas(["a", "new"]) == [0.3, 0.3]
+    options.threshold = 0.0
+    assert stop.never_stops()
 
 
 def test_thresholds_are_held_for_live_requests_only():
@@ -164,12 +178,14 @@ def gate_with(base: tuple[int, int], heads: list[tuple[int, int]],
               where_sure: list[tuple[int, int]] | None = None) -> ExitGate:
     """A gate over heads at 8, 15 and 22 of 30 layers whose base, heads and
     base where each head was sure were reached and accepted these many times
-    (one draft per round); no probe or shadow round comes in these tests."""
+    (one draft per record), in rounds of 5 drafts; no probe or shadow round
+    comes in these tests."""
     gate = ExitGate([8 / 30, 15 / 30, 22 / 30], decay=1.0, probe_every=10**6)
     shadowed = [(gate.shadowed(h), counts) for h, counts in enumerate(where_sure or [])]
     for source, (accepted, reached) in [(BASE, base), *enumerate(heads), *shadowed]:
         for index in range(reached):
             gate.record([source], 1 if index < accepted else 0)
+    gate.drafted = 5.0 * gate.request_rounds
     return gate
 
 
@@ -202,10 +218,11 @@ def test_a_head_is_weighed_against_the_base_on_the_tokens_it_is_sure_of():
     assert opened(gate_with((70, 100), head, where_sure=[(95, 100)]))[0] is False
 
 
-def test_unmeasured_heads_open_one_round_in_four_and_the_gate_probes_and_shadows():
+def test_unmeasured_heads_open_one_round_in_measure_every_and_the_gate_probes_and_shadows():
     no_base = gate_with((5, 5), [(0, 5), (0, 5), (0, 5)])  # under min_reached
     assert [opened(no_base) for _ in range(4)] == [[False] * 3] * 4  # the base drafts alone
     unmeasured = gate_with((90, 100), [(0, 5), (0, 5), (0, 5)])
+    unmeasured.measure_every = 4
     assert [opened(unmeasured) for _ in range(4)] == [[False] * 3] * 3 + [[True] * 3]
     losing = gate_with((90, 100), [(10, 100)] * 3)
     assert opened(losing) == [False] * 3
@@ -225,6 +242,7 @@ def test_a_round_that_opens_heads_to_measure_them_is_a_trial():
     no_base = gate_with((5, 5), [(0, 5)] * 3)
     assert not any(no_base.next_round(GATE_COSTS, 1, 5).trial for _ in range(8))
     one_unmeasured = gate_with((89, 100), [(62, 100), (89, 100), (0, 5)])
+    one_unmeasured.measure_every = 4
     rounds = [one_unmeasured.next_round(GATE_COSTS, 1, 5) for _ in range(4)]
     assert [r.trial for r in rounds] == [False, False, False, True]
     assert [r.open for r in rounds] == [[False, True, False]] * 3 + [[False, True, True]]
@@ -235,6 +253,25 @@ def test_a_round_that_opens_heads_to_measure_them_is_a_trial():
     rounds = [paying.next_round(GATE_COSTS, 1, 5) for _ in range(4)]  # rounds 3..6
     assert [r.trial for r in rounds] == [False, True, False, False]
     assert rounds[3].shadow
+
+
+def test_the_rounds_length_is_the_mean_of_the_drafts_verified():
+    gate = ExitGate([0.5], decay=1.0)
+    assert gate.round_length(12) == 12  # before any round
+    gate.record([BASE, BASE, BASE], accepted=3)
+    gate.record([BASE], accepted=0)
+    assert gate.round_length(12) == 2 and gate.round_length(1) == 1
+
+
+def test_a_head_is_weighed_at_the_rounds_measured_length():
+    """Base 0.93, a shallow head at 0.90: in rounds of 4 drafts its saved draft
+    step pays for its acceptance (break-even 0.87); were rounds 12 long, the
+    saving would be spread over 12 draft steps (break-even 0.94)."""
+    gate = gate_with((93, 100), [(90, 100), (90, 100), (90, 100)])
+    gate.drafted = 4.0 * gate.request_rounds
+    assert gate.next_round(GATE_COSTS, 1, max_drafts=12).open[0] is True
+    gate.drafted = 12.0 * gate.request_rounds
+    assert gate.next_round(GATE_COSTS, 1, max_drafts=12).open[0] is False
 
 
 def test_a_head_pays_where_the_draft_step_is_dear_and_only_at_batch_one():

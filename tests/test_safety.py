@@ -173,7 +173,8 @@ def test_state_is_kept_until_a_request_really_finishes(proposer_class):
     AdaDecode's rows of the gate's last round)."""
     proposer = proposer_class.__new__(proposer_class)
     proposer.confidence_stop = ConfidenceStop(REFERENCE_RULE)
-    proposer._round_rows = {"running": 0, "finished": 1}
+    if proposer_class is AdaDecodeProposer:
+        proposer._round_rows = {"running": 0, "finished": 1}
     for req_id in ("running", "preempted", "finished"):
         proposer.confidence_stop.observe(req_id, accepted=1, drafted=2)
     proposer.forget_finished({"running", "preempted"})  # what vLLM still holds

@@ -76,7 +76,11 @@ class ConfidenceStop:
     requests: dict[str, ExitThreshold] = field(default_factory=dict)
 
     def gammas(self, req_ids: list[str]) -> list[float]:
-        """Each request's threshold this round (they change only between rounds)."""
+        """Each request's threshold this round (they change only between
+        rounds); without `adaptive_threshold`, the rule's threshold as it is
+        now, for every request."""
+        if not self.rule.adaptive_threshold:
+            return [self.rule.threshold] * len(req_ids)
         return [self._threshold(req_id).gamma for req_id in req_ids]
 
     def observe(self, req_id: str, accepted: int, drafted: int) -> None:

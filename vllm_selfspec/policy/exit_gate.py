@@ -4,8 +4,10 @@ AdaDecode over the cheap base drafts a token at the first head sure of it and
 every other token at full depth. An early exit saves the rest of the draft
 step's layers for that token but may be accepted less often, and a rejected
 draft ends the request's round. A head stays open only while that trade gains:
-with a round of k drafts whose first is the head's (acceptance a_h, its share
-d_h of the model's layers) and the rest full depth (acceptance a_b),
+with a round of k drafts (the rounds' measured mean length: the base's
+confidence stop ends most before the most a round may have) whose first is the
+head's (acceptance a_h, its share d_h of the model's layers) and the rest full
+depth (acceptance a_b),
 
     T_h = 1 + a_h * E(a_b, k - 1)             C_h = 1 + F + k*c - (1 - d_h)*s
     T_b = 1 + a_bh * E(a_b, k - 1)            C_b = 1 + F + k*c
@@ -15,8 +17,9 @@ engine's costs per draft and per round in plain steps; s: a draft step's part
 of c, the verification's share taken off), the head is open when
 T_h / C_h beats T_b / C_b by cost-aware drafting's margin (`MIN_GAIN`: the
 costs leave out what an open head adds, its LM-head pass and the window of
-deferred rows each later step recomputes). a_bh is the full-depth draft's acceptance on the tokens
-head h is sure of (easier than the average token): measured on shadow rounds,
+deferred rows each later step recomputes). a_bh is the full-depth draft's
+acceptance on the tokens head h is sure of (easier than the average token):
+measured on shadow rounds,
 which compute every head's confidence but draft at full depth. At a batch of
 more than one request a draft step stops early only when every row has
 exited, so there an exit is credited no saving and a head stays open only if
@@ -25,16 +28,16 @@ it is accepted as often as the full-depth draft.
 Acceptances count the drafts a verification reached (the first rejected draft
 included, none after it), a moving average per source, so a closed head's
 record waits for its next trial: in every `probe_every` drafting rounds one
-opens every head and one is a shadow round. Until the base has a record every
-head is closed; a head with none opens one round in `measure_every`. A round
+opens every head and one is a shadow round. Between those, until the base has
+a record every head is closed, and a head with none opens one round in
+`measure_every`. A round
 with a head open to be measured rather than because it pays (a probe, or a
 head with no record) is a trial: its outcome teaches the gate, not the
 requests' acceptance records, so the rounds that measure the heads never hold
 the requests' own records back (were every round a trial, those records would
-stay at the prior, and requests would decline to draft).
-Inputs are verified tokens and the
-costs rank 0 shares, alike on every tensor-parallel rank, so every rank opens
-the same heads.
+stay at the prior, and requests would decline to draft). Inputs are verified
+tokens and the costs rank 0 shares, alike on every tensor-parallel rank, so
+every rank opens the same heads.
 """
 
 from __future__ import annotations
@@ -75,10 +78,18 @@ class ExitGate:
     decay: float = 0.98
     min_reached: float = 16.0
     probe_every: int = 32
-    measure_every: int = 4
+    # A round measuring unmeasured heads drafts with them before they are
+    # known to pay, so such rounds come one in `measure_every`: a small share
+    # of the rounds, as probes are.
+    measure_every: int = 16
     rounds: int = 0
     reached: list[float] = field(init=False)
     accepted: list[float] = field(init=False)
+    # Decayed sums of the drafts verified per request-round and of those
+    # rounds: the rounds' mean length, which the confidence stop keeps below
+    # the most drafts a round may have.
+    drafted: float = 0.0
+    request_rounds: float = 0.0
 
     def __post_init__(self) -> None:
         if self.min_reached <= 0 or self.probe_every < 2 or self.measure_every < 1:
@@ -95,6 +106,8 @@ class ExitGate:
     def record(self, sources: Sequence[int], accepted: int) -> None:
         """One request's verified drafts, in order, each by its source, of
         which the first `accepted` were accepted."""
+        self.drafted = self.decay * self.drafted + len(sources)
+        self.request_rounds = self.decay * self.request_rounds + 1.0
         for position, source in enumerate(sources[:accepted + 1]):
             self.reached[source] = self.decay * self.reached[source] + 1.0
             self.accepted[source] = (self.decay * self.accepted[source]
@@ -106,10 +119,17 @@ class ExitGate:
             return None
         return self.accepted[source] / self.reached[source]
 
+    def round_length(self, max_drafts: int) -> int:
+        """The drafts of a round as the rounds have run (`max_drafts` before
+        any was recorded)."""
+        if self.request_rounds < 1.0:
+            return max_drafts
+        return min(max_drafts, max(1, round(self.drafted / self.request_rounds)))
+
     def next_round(self, costs: StepCosts | None, batch_size: int,
                    max_drafts: int) -> GateRound:
         """The heads of the next drafting round at these costs (None: not
-        cost-aware, every head drafts)."""
+        cost-aware, every head drafts), for rounds of at most `max_drafts`."""
         self.rounds += 1
         every, closed = [True] * len(self.depth_shares), [False] * len(self.depth_shares)
         base = self.acceptance(BASE)
@@ -122,8 +142,9 @@ class ExitGate:
         if base is None:
             return GateRound(closed)  # the base drafts alone until it has a record
         measuring = self.rounds % self.measure_every == 0
-        tail = expected_tokens(base, max_drafts - 1)
-        full_cost = 1.0 + costs.round_overhead + max_drafts * costs.per_draft
+        drafts = self.round_length(max_drafts)
+        tail = expected_tokens(base, drafts - 1)
+        full_cost = 1.0 + costs.round_overhead + drafts * costs.per_draft
         step = max(0.0, costs.per_draft - batch_size * (costs.per_verified or 0.0))
         opened, measured_now = [], False
         for head, share in enumerate(self.depth_shares):

@@ -19,7 +19,7 @@ head closed a round is the base's own, one token per step without the window
 below. In every 32 drafting rounds one opens every head and one is a shadow
 round (every head's confidence read, every token drafted at full depth), so
 both records stay current, and a head with no record yet opens one round in
-4; a round that opens heads to measure them, not because they pay, is a
+16; a round that opens heads to measure them, not because they pay, is a
 trial, kept out of the requests' acceptance records.
 With `full_depth: false` a token no head is sure of ends the request's drafts
 and the verification forward produces it, as AdaDecode's last layer does, and
@@ -102,6 +102,13 @@ class AdaDecodeConfig(EarlyExitConfig):
         if not self.full_depth:
             self.num_speculative_tokens = min(self.num_speculative_tokens, self.max_early)
 
+    def validate_for_model(self, num_layers: int) -> None:
+        super().validate_for_model(num_layers)
+        if num_layers in self.exit_layers:
+            # A head at the last layer: no full-depth base past it, so every
+            # draft is a head's and a round is at most max_early drafts.
+            self.num_speculative_tokens = min(self.num_speculative_tokens, self.max_early)
+
     def method_hash_factors(self) -> list:
         return [self.heads, self.exit_layers, self.full_depth]
 
@@ -144,9 +151,12 @@ class AdaDecodeProposer(EarlyExitProposer):
         return draft
 
     def observe_round(self, req_id: str, accepted: int, drafted: int) -> None:
-        """The base's threshold moves; the gate learns each head's acceptance
-        and the base's."""
-        if self.fallback_end is not None:
+        """The base's threshold moves (not on a trial: the heads' drafts, not
+        the base's, made it); the gate learns each head's acceptance and the
+        base's. The round fed back is the last that self-drafted, whose heads
+        `gate_round` still holds."""
+        trial = self.gate_round is not None and self.gate_round.trial
+        if self.fallback_end is not None and not trial:
             self.confidence_stop.observe(req_id, accepted, drafted)
         row = self._round_rows.get(req_id)
         if self.exit_gate is None or row is None or self._round_sources is None:
