@@ -92,6 +92,18 @@ def test_valid_config_gets_defaults_and_lookahead(model_dir):
     assert config.num_lookahead_tokens == 12
 
 
+@pytest.mark.parametrize(("keys", "round_length"), [
+    ({}, 12),  # the full-depth base's rounds: draft_verify's K
+    ({"full_depth": False}, 5),  # every draft a head's: at most max_early
+    ({"full_depth": False, "num_speculative_tokens": 3}, 3),
+    ({"full_depth": False, "max_early": 8}, 8)])
+def test_adadecodes_round_is_its_bases_or_at_most_max_early_without_one(model_dir, keys,
+                                                                         round_length):
+    config = engine_config(model_dir, {"method": "adadecode", **keys})
+    assert config.speculative_config.num_speculative_tokens == round_length
+    assert config.num_lookahead_tokens == round_length
+
+
 def test_config_file_fills_unset_keys(model_dir, tmp_path):
     path = tmp_path / "model.json"
     path.write_text(json.dumps({"methods": {"draft_verify": {

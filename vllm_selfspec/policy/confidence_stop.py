@@ -69,8 +69,8 @@ class ExitThreshold:
 @dataclass
 class ConfidenceStop:
     """Every live request's threshold (bounded by the requests vLLM holds:
-    `forget` drops the rest). Without `adaptive_threshold` every request keeps
-    the rule's starting threshold."""
+    `forget` drops the rest). Without `adaptive_threshold` every request takes
+    the rule's threshold as it is now."""
 
     rule: ThresholdOptions
     requests: dict[str, ExitThreshold] = field(default_factory=dict)

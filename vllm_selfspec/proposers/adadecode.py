@@ -99,14 +99,12 @@ class AdaDecodeConfig(EarlyExitConfig):
         if self.max_early < 1:
             raise SelfSpecConfigError(
                 f"speculative_config.max_early: {self.max_early} must be >= 1.")
-        if not self.full_depth:
-            self.num_speculative_tokens = min(self.num_speculative_tokens, self.max_early)
 
     def validate_for_model(self, num_layers: int) -> None:
         super().validate_for_model(num_layers)
-        if num_layers in self.exit_layers:
-            # A head at the last layer: no full-depth base past it, so every
-            # draft is a head's and a round is at most max_early drafts.
+        if not self.full_depth or num_layers in self.exit_layers:
+            # No full-depth base (or a head at the last layer stands for it):
+            # every draft is a head's, so a round is at most max_early drafts.
             self.num_speculative_tokens = min(self.num_speculative_tokens, self.max_early)
 
     def method_hash_factors(self) -> list:
