@@ -13,6 +13,7 @@ from tests.conftest import (
     assert_greedy_parity_with_rejections,
     assert_same_sampling_distribution,
     greedy,
+    prompts_at,
     start_engine,
     stop_engine,
     tensor_parallel_engine,
@@ -104,6 +105,26 @@ def test_drafting_through_every_layer_is_always_accepted(static_exit, plain_outp
 def test_bad_configs_fail_at_start_up(model_dir, spec, message):
     with pytest.raises(ValueError, match=message):
         engine_config(model_dir, {"method": "del", **spec})
+
+
+def test_the_full_depth_base_drafts_where_the_exits_lose(plain_outputs, test_prompts):
+    """Cost-aware over an int8 copy (`full_depth`, the default): the shipped
+    exits draft only in the gate's trials, the copy's full-depth draft (far
+    better accepted) the rest, losslessly."""
+    llm = start_engine({**DEL, "cost_aware": True, "draft_precision": "int8"},
+                       worker_extension_cls=WORKER_EXTENSION)
+    try:
+        acceptance = Acceptance()
+        outputs = greedy(llm, prompts_at(test_prompts, 1), 1, acceptance=acceptance)
+        (gate,) = llm.collective_rpc("selfspec_mechanism_gate")
+    finally:
+        stop_engine(llm)
+    assert outputs == plain_outputs[1]
+    sources = acceptance.sources
+    by_base = sources["self_drafted"] - sources["mechanism_drafted"]
+    assert by_base > 4 * sources["mechanism_drafted"] > 0, (sources, gate)
+    assert gate["base_acceptance"] > 0.7, gate
+    assert 0 < gate["step_cost_share"] < 1, gate
 
 
 def test_tensor_parallel_ranks_agree(tiny_llama_dir, tiny_llama_outputs, test_prompts,

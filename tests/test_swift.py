@@ -14,6 +14,7 @@ from tests.conftest import (
     Acceptance,
     assert_greedy_parity_with_rejections,
     greedy,
+    prompts_at,
     start_engine,
     stop_engine,
 )
@@ -131,6 +132,31 @@ def test_task_keys_cannot_write_outside_export_dir_or_grow_state(swift, test_pro
     assert state["requests_with_state"]["tasks"] == len(report["tasks"]) <= 8
 
 
+def test_the_full_depth_base_drafts_where_the_skip_set_loses(plain_outputs, test_prompts):
+    """Cost-aware over an int8 copy (`full_depth`, the default): the uniform
+    skip set drafts only in the gate's trials, the copy's full-depth draft
+    (far better accepted) the rest, losslessly; full_depth false: every
+    self-draft is the skip set's."""
+    spec = {"method": "swift", "cost_aware": True, "draft_precision": "int8"}
+    for full_depth in (True, False):
+        llm = start_engine({**spec, "full_depth": full_depth},
+                           worker_extension_cls=WORKER_EXTENSION)
+        try:
+            acceptance = Acceptance()
+            outputs = greedy(llm, prompts_at(test_prompts, 1), 1, acceptance=acceptance)
+            (gate,) = llm.collective_rpc("selfspec_mechanism_gate")
+        finally:
+            stop_engine(llm)
+        assert outputs == plain_outputs[1]
+        sources = acceptance.sources
+        by_base = sources["self_drafted"] - sources["mechanism_drafted"]
+        if full_depth:
+            assert by_base > 4 * sources["mechanism_drafted"] > 0, (sources, gate)
+            assert 0 < gate["step_cost_share"] < 1, gate
+        else:
+            assert gate is None and by_base == 0 < sources["mechanism_drafted"], sources
+
+
 def test_compiled_engine_compiles_the_learned_set(smollm2_first_layers_dir, test_prompts,
                                                  tmp_path, monkeypatch):
     """A compiled engine drafts with the uniform set's start-up graph while
@@ -163,7 +189,8 @@ def test_compiled_engine_compiles_the_learned_set(smollm2_first_layers_dir, test
     finally:
         stop_engine(llm)
     saved = list((tmp_path / "torch_compile_cache").rglob("rank_0_0/model"))
-    assert len(saved) == 2, saved  # the target and the uniform draft, from start-up
+    # From start-up: the target, the uniform set's draft and the full-depth base.
+    assert len(saved) == 3, saved
 
 
 @pytest.mark.parametrize(

@@ -48,10 +48,10 @@ SUPPORTED_ARCHITECTURES = (
 
 # Keys every method takes (beside num_speculative_tokens and config_file).
 COMMON_FIELDS = ("draft_precision", "draft_vocab", "draft_vocab_size", "cost_aware",
-                 "probe_every", "lookup")
+                 "probe_every", "lookup", "full_depth")
 # Their defaults where a value says it (the others' docstrings say theirs).
 COMMON_DEFAULTS: dict[str, Any] = {"draft_precision": "auto", "cost_aware": True,
-                                   "probe_every": 16, "lookup": {}}
+                                   "probe_every": 16, "lookup": {}, "full_depth": True}
 DRAFT_PRECISIONS = ("auto", "target", "int8", "int4")
 # On a GPU, "auto" makes an int8 copy only where it takes at most this share
 # of the device's memory (the rest is the KV cache's).
@@ -148,6 +148,17 @@ class SelfSpecConfig(SpeculativeConfig):
     With cost_aware, as many (up to `max_tokens` and num_speculative_tokens)
     as the request's own lookups' acceptance makes worth verifying; without
     it, `max_tokens`."""
+    full_depth: bool | None = None
+    """The full-depth draft over the same weights is the base a skip set or
+    an early exit must beat: with cost_aware, a round drafts by the method's
+    mechanism only where its measured acceptance and step cost beat the
+    base's by 5 %, else at full depth (one round in 16 tries the other, so
+    both stay measured; `policy/mechanism_gate.py`); false: the mechanism
+    drafts every round. AdaDecode's base drafts every token no exit head is
+    sure of, and each head drafts only while it pays (`policy/exit_gate.py`);
+    false: such a token ends the request's drafts, and every head drafts, as
+    in its paper. Draft & Verify without a skip set has no mechanism to
+    weigh."""
 
     # Defaults a method module sets; None means "not given by the user".
     default_num_speculative_tokens: ClassVar[int] = 4

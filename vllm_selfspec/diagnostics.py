@@ -102,6 +102,14 @@ def _time_forward(model, vllm_config, batch_size: int, repeats: int) -> float:
     return _median_seconds(_forward_step(model, batch_size), vllm_config, batch_size, repeats)
 
 
+def draft_step_ratio(vllm_config, mechanism, base, repeats: int = 10) -> float:
+    """One decode step of the `mechanism` draft over one of the `base` draft
+    at batch 1 (each with its LM head), in profiling mode; also compiles
+    both at start-up rather than in a user's request."""
+    return (_time_forward(mechanism, vllm_config, 1, repeats)
+            / _time_forward(base, vllm_config, 1, repeats))
+
+
 def profile_forwards(worker, batch_size: int = 1, steps: int = 5, top: int = 20) -> dict:
     """Where a plain and a draft forward spend their time: each forward's
     operators by self time (torch profiler, profiling mode as above), in
@@ -209,6 +217,16 @@ class SelfSpecWorkerExtension:
         last = drafter.gate_round
         return None if gate is None else {**gate.describe(),
                                           "open": None if last is None else last.open}
+
+    def selfspec_mechanism_gate(self) -> dict | None:
+        """A method with a mechanism over its full-depth base: each source's
+        measured acceptance and round length, the mechanism's share of draft
+        steps and its step's cost over the base's (`policy/mechanism_gate.py`);
+        None without one."""
+        drafter = self.model_runner.drafter
+        gate = drafter.mechanism_gate
+        return None if gate is None else {**gate.describe(),
+                                          "step_cost_share": drafter.mechanism_step_share}
 
     def selfspec_state(self) -> dict:
         """Per-request state the drafter holds, and this worker's resident

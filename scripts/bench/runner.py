@@ -276,6 +276,7 @@ def step_costs(llm, spec: dict | None) -> dict | None:
         costs["exit_gate"] = llm.collective_rpc("selfspec_exit_gate")[0]
     if spec["method"] == "swift":
         costs["search"] = llm.collective_rpc("selfspec_search")[0]
+    costs["mechanism_gate"] = llm.collective_rpc("selfspec_mechanism_gate")[0]
     return costs
 
 

@@ -26,6 +26,14 @@ newest token through that model), when a request stops drafting within a round
 previous round (`observe_round`). Stopped requests are padded with NO_DRAFT,
 which the runner hook strips before scheduling.
 
+A method whose draft skips layers or exits early (its mechanism) has the
+full-depth draft over the same weights as its base (`full_depth`): each
+drafting round goes to whichever of the two the measured acceptances and costs
+favour (`policy/mechanism_gate.py`). A base round drafts as `draft_verify` at
+its defaults does: the full-depth draft step (`base_step`), at most
+REFERENCE_MAX_DRAFTS drafts, each request's stopping below its own adaptive
+confidence threshold.
+
 Whether a round drafts, and how far, is decided on host values alone by the
 round policy (`policy/rounds.py`), which this proposer feeds from vLLM's runner.
 """
@@ -64,7 +72,12 @@ from vllm_selfspec.draft.sampling import DraftSampler
 from vllm_selfspec.draft.tokens import BASE, LOOKUP, MECHANISM, NO_DRAFT, top1_probability
 from vllm_selfspec.draft.weights import DraftWeights
 from vllm_selfspec.models import adapter_for
-from vllm_selfspec.policy.confidence_stop import ConfidenceStop
+from vllm_selfspec.policy.confidence_stop import (
+    REFERENCE_MAX_DRAFTS,
+    REFERENCE_RULE,
+    ConfidenceStop,
+)
+from vllm_selfspec.policy.mechanism_gate import MechanismGate, SourceChoice
 from vllm_selfspec.policy.payoff import ForwardTimes, StepCosts
 from vllm_selfspec.policy.rounds import DraftDecision, RoundPolicy
 from vllm_selfspec.proposers.draft_metadata import decode_metadata
@@ -125,6 +138,16 @@ class SelfSpecProposer(DraftModelProposer):
         # step), read once the drafts reach the host (`draft_sources`).
         self._by_mechanism: torch.Tensor | None = None
         self.suffix_lookup: SuffixLookup | None = None  # lookup source "suffix"
+        # The mechanism against the full-depth base (`full_depth`; set at load
+        # for a method with a mechanism): the gate, the base's stop, the
+        # mechanism's draft step over the base's (timed at start-up), and the
+        # last self-drafting round's source and requests.
+        self.mechanism_gate: MechanismGate | None = None
+        self.base_draft: nn.Module | None = None
+        self.base_stop = ConfidenceStop(REFERENCE_RULE)
+        self.mechanism_step_share = 1.0
+        self.source: SourceChoice | None = None
+        self._source_req_ids: set[str] = set()
         # Records, clock, costs, the last round: cost-aware drafting's state.
         self.policy = RoundPolicy(self.options, self.num_speculative_tokens,
                                   self._time_forwards, share=_from_rank_0)
@@ -134,7 +157,25 @@ class SelfSpecProposer(DraftModelProposer):
         raise NotImplementedError
 
     def observe_round(self, req_id: str, accepted: int, drafted: int) -> None:
-        """Feedback on a request's previous round (called before drafting)."""
+        """Feedback on a request's previous round of the method's own drafts
+        (called before drafting; a base round's goes to the base's stop)."""
+
+    def has_mechanism(self) -> bool:
+        """Whether the method's draft differs from the full-depth draft (a
+        layer plan that skips any sub-block, for plan-based methods)."""
+        return self.model.plan.fraction_run < 1.0
+
+    def base_step(self, round_tokens: torch.Tensor, positions: torch.Tensor,
+                  cad: CommonAttentionMetadata, step: int,
+                  drafting: torch.Tensor) -> DraftStep:
+        """One full-depth draft step (a base round). Default: the newest token
+        through the full plan's draft."""
+        return self._plan_step(self.base_draft, round_tokens, cad, step)
+
+    def mechanism_share(self, req_ids: list[str]) -> float:
+        """This round's mechanism draft step over the base's (called after
+        `begin_round`). Default: the plans' ratio timed at start-up."""
+        return self.mechanism_step_share
 
     def stop_after(
         self, req_ids: list[str], logits: torch.Tensor, step: int
@@ -166,7 +207,9 @@ class SelfSpecProposer(DraftModelProposer):
         holds at most, so growth after requests finish is a leak."""
         trees = {} if self.suffix_lookup is None else {
             "suffix_trees": len(self.suffix_lookup.fed)}
-        return {**self.policy.per_request_state(), **trees}
+        base = {} if self.mechanism_gate is None else {
+            "base_thresholds": len(self.base_stop), "source_rows": len(self._source_req_ids)}
+        return {**self.policy.per_request_state(), **trees, **base}
 
     # --- vLLM's proposer interface -------------------------------------------
     def draft_depth(self, num_layers: int) -> int:
@@ -188,6 +231,9 @@ class SelfSpecProposer(DraftModelProposer):
                 target_model, layers, self.options.draft_precision, vocab,
                 self.draft_depth(len(layers)))
         self.model = self.build_draft(len(layers))
+        if self.options.full_depth and self.has_mechanism():
+            self.base_draft = self.build_base_draft(len(layers))
+            self.mechanism_gate = MechanismGate()
         # Metadata is built per attention backend, not per layer, so naming
         # every target layer costs nothing and lets any plan run.
         self._draft_attn_layer_names = {
@@ -201,6 +247,10 @@ class SelfSpecProposer(DraftModelProposer):
 
     def build_draft(self, num_layers: int) -> nn.Module:
         return self._build_draft(self.layer_plan(num_layers))
+
+    def build_base_draft(self, num_layers: int) -> nn.Module | None:
+        """The full-depth draft of base rounds. Default: the full plan's."""
+        return self._build_draft(LayerPlan.skipping(num_layers, [], []))
 
     def _build_draft(self, plan: LayerPlan, cache_key: str | None = None) -> LayerSubsetDraft:
         """The plan's draft module, compiled (in compiled engines) at its first
@@ -261,12 +311,24 @@ class SelfSpecProposer(DraftModelProposer):
         vLLM's CPU CI) is timed at first use."""
         if self.options.cost_aware:
             self.policy.forward_times = self._time_forwards()
+        if self.mechanism_gate is not None:
+            self.mechanism_step_share = self._time_mechanism_share()
 
     def timed_at_start_up(self) -> dict:
         """What `time_costs` holds (None where nothing was timed)."""
         forward_times = self.policy.forward_times
         return {"forward_times": None if forward_times is None
                 else forward_times.describe()}
+
+    def _time_mechanism_share(self) -> float:
+        """The mechanism's draft step over the full-depth one at batch 1, timed
+        (rank 0's on every rank). Default: the two plans' drafts."""
+        from vllm.distributed import get_tp_group
+
+        from vllm_selfspec.diagnostics import draft_step_ratio
+
+        return get_tp_group().broadcast_object(
+            draft_step_ratio(self.vllm_config, self.model, self.base_draft), src=0)
 
     def _time_forwards(self) -> ForwardTimes:
         """The profiling-mode forward times: every rank runs the timing
@@ -363,7 +425,7 @@ class SelfSpecProposer(DraftModelProposer):
                         else num_rejected_tokens_gpu.tolist())
             feedback = policy.take_feedback(req_ids, verified, rejected, num_tokens, started)
             for req_id, accepted, scheduled in feedback.self_drafted:
-                self.observe_round(req_id, accepted, scheduled)
+                self._observe_source(req_id, accepted, scheduled)
             may_draft = self._may_draft(req_ids)
             costs = policy.timed_costs(batch_size) if self.options.lookup else None
             if costs is not None:
@@ -392,6 +454,35 @@ class SelfSpecProposer(DraftModelProposer):
         self._early = None
         self.policy.skip_round(list(self.runner.input_batch.req_ids))
 
+    def _observe_source(self, req_id: str, accepted: int, drafted: int) -> None:
+        """A request's verified self-drafts: to the gate, by the source that
+        made them, and to that source's stop (the base's moves on the base's
+        own rounds, not on its trials)."""
+        source = self.source if req_id in self._source_req_ids else None
+        if source is None or source.mechanism:
+            self.observe_round(req_id, accepted, drafted)
+        if source is None:
+            return
+        self.mechanism_gate.record(source.mechanism, drafted, accepted)
+        if not source.mechanism and not source.trial:
+            self.base_stop.observe(req_id, accepted, drafted)
+
+    def _choose_source(self, req_ids: list[str]) -> SourceChoice | None:
+        """This self-drafting round's source (None: the method has no
+        mechanism, or `full_depth` is off)."""
+        if self.mechanism_gate is None:
+            return None
+        costs = self.policy.timed_costs(len(req_ids)) if self.options.cost_aware else None
+        source = self.mechanism_gate.next_round(
+            costs or None, len(req_ids),
+            (self.num_speculative_tokens, min(self.num_speculative_tokens,
+                                              REFERENCE_MAX_DRAFTS)),
+            self.mechanism_share(req_ids))
+        self.source, self._source_req_ids = source, set(req_ids)
+        if source.trial:
+            self.policy.note_trials(req_ids)
+        return source
+
     def _start_round(self, req_ids: list[str], verified: list[int] | None,
                      num_tokens: int, started: float) -> None:
         """The policy's start of a round (`RoundPolicy.start_round`), and the
@@ -401,6 +492,8 @@ class SelfSpecProposer(DraftModelProposer):
                                        started)
         if live is not None:
             self.forget_finished(live)
+            self.base_stop.forget(live)
+            self._source_req_ids &= live
             if self.suffix_lookup is not None:
                 self.suffix_lookup.forget(live)
 
@@ -437,6 +530,9 @@ class SelfSpecProposer(DraftModelProposer):
             target_token_ids, target_hidden_states, next_token_ids,
             token_indices_to_sample, common_attn_metadata.query_start_loc[:batch_size],
             target_positions, common_attn_metadata))
+        source = self._choose_source(req_ids)
+        base_round = source is not None and not source.mechanism
+        num_steps = min(decision.steps, REFERENCE_MAX_DRAFTS) if base_round else decision.steps
         positions = target_positions[token_indices_to_sample]
         cad = decode_metadata(common_attn_metadata, num_rejected_tokens_gpu, self.arange,
                               self.token_arange_np)
@@ -444,12 +540,13 @@ class SelfSpecProposer(DraftModelProposer):
         round_tokens = next_token_ids.view(batch_size, 1)
         by_mechanism = torch.zeros(drafts.shape, dtype=torch.bool, device=self.device)
         steps_run = 0
-        for step in range(decision.steps):
+        for step in range(num_steps):
             if budgets is not None:
                 drafting &= budget > step
             steps_run += 1
             positions = self._advance(positions, cad, batch_size)
-            result = self.draft_step(round_tokens, positions, cad, step, drafting)
+            result = (self.base_step if base_round else self.draft_step)(
+                round_tokens, positions, cad, step, drafting)
             logits, is_draft = result.logits, result.is_draft
             # One float copy for the argmax and the methods' confidence: over
             # bf16 logits the CPU's argmax is a scalar loop, 4x the float one.
@@ -464,7 +561,8 @@ class SelfSpecProposer(DraftModelProposer):
             by_mechanism[:, step] = drafting & result.by_mechanism
             if sampler is not None:
                 sampler.keep(step, drafting)
-            stop = self.stop_after(req_ids, logits, step)
+            stop = (self.stop_below_threshold(self.base_stop, req_ids, logits, step)
+                    if base_round else self.stop_after(req_ids, logits, step))
             if stop is not None:
                 drafting &= ~stop
             if (is_draft is not None or stop is not None) and not bool(drafting.any()):
@@ -472,6 +570,8 @@ class SelfSpecProposer(DraftModelProposer):
         if sampler is not None:
             self._last_draft_probs = sampler.round_probs(drafts)
         self._by_mechanism = by_mechanism
+        if source is not None:
+            self.mechanism_gate.record_steps(source.mechanism, steps_run)
         return steps_run
 
     def draft_sources(self, req_ids: list[str], rows: list[list[int]]) -> list[str]:
@@ -547,6 +647,11 @@ class SelfSpecProposer(DraftModelProposer):
         """Logits of each request's next draft, which of them are drafts, and
         which the mechanism made. Default: the newest token through the layer
         plan (the mechanism's where the plan skips any sub-block)."""
+        return self._plan_step(self.model, round_tokens, cad, step)
+
+    def _plan_step(self, model: nn.Module, round_tokens: torch.Tensor,
+                   cad: CommonAttentionMetadata, step: int) -> DraftStep:
+        """The newest token of each request through `model`'s layer plan."""
         batch_size = round_tokens.shape[0]
         _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(
             cad, draft_index=step
@@ -554,13 +659,13 @@ class SelfSpecProposer(DraftModelProposer):
         self.input_ids[:batch_size] = round_tokens[:, -1]
         with self.draft_forward_context(per_layer_metadata, batch_size,
                                         self._get_slot_mapping(batch_size)):
-            hidden_states = self.model(
+            hidden_states = model(
                 input_ids=self.input_ids[:batch_size],
                 positions=self._get_positions(batch_size),
             )
-        plan = self.model.plan
+        plan = model.plan
         self.policy.counters.add_step(plan.fraction_run * plan.num_layers)
-        return DraftStep(self.model.compute_logits(hidden_states[:batch_size]),
+        return DraftStep(model.compute_logits(hidden_states[:batch_size]),
                          by_mechanism=plan.fraction_run < 1.0)
 
 

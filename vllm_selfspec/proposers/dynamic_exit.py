@@ -136,7 +136,7 @@ class DelConfig(EarlyExitConfig):
                 f"candidate exit layers {self.exit_layers}.")
 
     def method_hash_factors(self) -> list:
-        return [self.heads, self.exit_layers]
+        return [self.heads, self.exit_layers, self.full_depth]
 
 
 @dataclass
@@ -164,6 +164,9 @@ class DelProposer(EarlyExitProposer):
         self.plan: RoundPlan | None = None
         self.trace: dict[str, list[dict]] | None = None  # per round, when enabled
         self.measured_overhead: float | None = None  # rank 0's, timed at start-up
+        # Seconds of a draft step exiting at each segment's end (the full-depth
+        # base's included), rank 0's, timed with the overhead.
+        self.exit_seconds: dict[int, float] | None = None
 
     def aux_hidden_state_layers(self) -> tuple[int, ...]:
         return tuple(self.options.exit_layers)
@@ -208,18 +211,42 @@ class DelProposer(EarlyExitProposer):
         each exit, diagnostics.py), on every rank, rank 0's kept by all."""
         if self.options.step_overhead is not None:
             return self.options.step_overhead
-        if self.measured_overhead is None:
-            from vllm.distributed import get_tp_group
-
-            from vllm_selfspec.diagnostics import measure_exit_costs
-
-            fitted = measure_exit_costs(self.runner, repeats=EXIT_TIMING_REPEATS)[
-                "step_overhead_layers"]
-            # No usable line (one exit at the last layer, or timing noise over
-            # exits too close to tell apart): the paper's layer count.
-            overhead = fitted if math.isfinite(fitted) and fitted > 0 else 0.0
-            self.measured_overhead = get_tp_group().broadcast_object(overhead, src=0)
+        self.time_exits()
         return self.measured_overhead
+
+    def time_exits(self) -> None:
+        """Time a draft step at each segment's end, once (every rank runs
+        the steps; rank 0's times are kept by all)."""
+        if self.exit_seconds is not None:
+            return
+        from vllm.distributed import get_tp_group
+
+        from vllm_selfspec.diagnostics import measure_exit_costs
+
+        measured = measure_exit_costs(self.runner, repeats=EXIT_TIMING_REPEATS)
+        fitted = measured["step_overhead_layers"]
+        # No usable line (one exit at the last layer, or timing noise over
+        # exits too close to tell apart): the paper's layer count.
+        overhead = fitted if math.isfinite(fitted) and fitted > 0 else 0.0
+        self.measured_overhead, self.exit_seconds = get_tp_group().broadcast_object(
+            (overhead, measured["exit_step_s"]), src=0)
+
+    def _time_mechanism_share(self) -> float:
+        """A step at the deepest candidate exit over a full-depth step (the
+        most a round's share can be; each round's is `mechanism_share`)."""
+        self.time_exits()
+        return (self.exit_seconds[self.options.exit_layers[-1]]
+                / self.exit_seconds[self.model.plan.num_layers])
+
+    def mechanism_share(self, req_ids: list[str]) -> float:
+        """A step to this round's deepest chosen exit over a full-depth step,
+        as timed at start-up (before that: the layers' share)."""
+        drafting = [c.exit_layer for c in self.plan.choices if c.max_drafts > 0]
+        deepest = max(drafting, default=self.options.exit_layers[0])
+        num_layers = self.model.plan.num_layers
+        if not self.exit_seconds:
+            return deepest / num_layers
+        return self.exit_seconds[deepest] / self.exit_seconds[num_layers]
 
     def _shadow_counts(self, verified: VerifiedTokens) -> torch.Tensor:
         """[batch, 4, candidates]: valid positions (repeated per candidate),
@@ -238,8 +265,9 @@ class DelProposer(EarlyExitProposer):
         states = verified.hidden_states[rows].view(rows.numel(), num_exits, -1)
         # One LM-head pass over every exit's rows: the head's weights are read
         # once, not once per exit (on SmolLM2 a pass costs a fifth of a step).
-        head_inputs = torch.cat([segment.head_input(states[:, index])
-                                 for index, segment in enumerate(self.model.segments)])
+        head_inputs = torch.cat([
+            segment.head_input(states[:, index])
+            for index, segment in enumerate(self.model.segments[:num_exits])])
         shadow_tokens, confidence = top1(self.model.compute_logits(head_inputs))
         matched_t = (shadow_tokens.view(num_exits, -1) == following).t().float()
         confidence_t = confidence.view(num_exits, -1).t()
