@@ -100,6 +100,8 @@ def test_the_round_policy_loads_without_torch_or_vllm():
     loads neither torch nor vLLM (a module that does is seen doing so)."""
     assert heavy_imports("vllm_selfspec.policy.rounds") == "[]"
     assert heavy_imports("vllm_selfspec.policy.confidence_stop") == "[]"
+    assert heavy_imports("vllm_selfspec.policy.mechanism_gate") == "[]"
+    assert heavy_imports("vllm_selfspec.policy.exit_gate") == "[]"
     assert heavy_imports("vllm_selfspec.draft.tokens") == "['torch']"
 
 

@@ -152,9 +152,9 @@ class SelfSpecConfig(SpeculativeConfig):
     """The full-depth draft over the same weights is the base a skip set or
     an early exit must beat: with cost_aware, a round drafts by the method's
     mechanism only where its measured acceptance and step cost beat the
-    base's by 5 %, else at full depth (one round in 16 tries the other, so
-    both stay measured; `policy/mechanism_gate.py`); false: the mechanism
-    drafts every round. AdaDecode's base drafts every token no exit head is
+    base's by 5 %, else at full depth (trial rounds of the other keep both
+    measured; `policy/mechanism_gate.py`); false: the mechanism drafts every
+    round. AdaDecode's base drafts every token no exit head is
     sure of, and each head drafts only while it pays (`policy/exit_gate.py`);
     false: such a token ends the request's drafts, and every head drafts, as
     in its paper. Draft & Verify without a skip set has no mechanism to

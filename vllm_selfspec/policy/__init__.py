@@ -1,5 +1,6 @@
 """How drafting is decided: each round's budgets (`rounds.py`), what a draft
-pays (`payoff.py`), when a request's drafts stop (`confidence_stop.py`), DEL's
-exit statistics, AdaDecode's exit gate and SWIFT's skip-set search, each tested
-through its own API. The round policy, the payoff and the stop import neither
-torch nor vLLM."""
+pays (`payoff.py`), when a request's drafts stop (`confidence_stop.py`),
+whether a method's mechanism beats the full-depth draft (`mechanism_gate.py`),
+DEL's exit statistics, AdaDecode's exit gate and SWIFT's skip-set search, each
+tested through its own API. The round policy, the payoff, the stop and the two
+gates import neither torch nor vLLM."""

@@ -22,8 +22,9 @@ steps each source ran.
 Acceptances count the drafts a verification reached (the first rejected one
 included), a moving average per source. Until the base has a record every
 round is the base's; then one drafting round in `trial_every` goes to the
-source not chosen (to the mechanism while it has no record), so both records
-stay current. A trial round teaches the gate, not the requests' acceptance
+mechanism until it has a record too, and from then on one in `retrial_every`
+to the source not chosen, so both records stay current (a trial of the
+losing source costs that round's difference: few, once both are known). A trial round teaches the gate, not the requests' acceptance
 records (`RoundPolicy.note_trials`). Inputs are verified tokens and the costs
 rank 0 shares, alike on every tensor-parallel rank, so every rank chooses the
 same source. Nothing here imports torch or vLLM.
@@ -61,6 +62,7 @@ class MechanismGate:
     decay: float = 0.98
     min_reached: float = 16.0
     trial_every: int = 16
+    retrial_every: int = 64
     rounds: int = 0
     mechanism: SourceRecord = field(default_factory=SourceRecord)
     base: SourceRecord = field(default_factory=SourceRecord)
@@ -70,9 +72,10 @@ class MechanismGate:
     steps: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.min_reached <= 0 or self.trial_every < 2 or not 0.0 < self.decay <= 1.0:
-            raise ValueError("MechanismGate: min_reached must be > 0, trial_every >= 2 "
-                             "and decay in (0, 1]")
+        if (self.min_reached <= 0 or min(self.trial_every, self.retrial_every) < 2
+                or not 0.0 < self.decay <= 1.0):
+            raise ValueError("MechanismGate: min_reached must be > 0, trial_every and "
+                             "retrial_every >= 2 and decay in (0, 1]")
 
     def _source(self, mechanism: bool) -> SourceRecord:
         return self.mechanism if mechanism else self.base
@@ -140,7 +143,7 @@ class MechanismGate:
             return SourceChoice(mechanism=False)  # the base drafts alone until measured
         speeds = self.speeds(costs, batch_size, max_drafts, step_share)
         chosen = speeds is not None and speeds[0] > (1.0 + MIN_GAIN) * speeds[1]
-        if self.rounds % self.trial_every == 0:
+        if self.rounds % (self.trial_every if speeds is None else self.retrial_every) == 0:
             return SourceChoice(mechanism=not chosen, trial=True)
         return SourceChoice(mechanism=chosen)
 

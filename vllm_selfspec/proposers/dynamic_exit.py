@@ -22,6 +22,13 @@ TPL counts a forward's fixed cost (`step_overhead`, in layers), measured by
 default: on a CPU the LM head and the engine's per-step work cost several
 layers, and the paper's pure layer count drafts where wall time says not to.
 
+The last layer is a candidate too, as the full-depth draft over the same
+weights (`full_depth`): cost-aware, a round drafts at the chosen exits only
+where their measured acceptance and step cost beat it, else at full depth as
+`draft_verify` at its defaults does (`policy/mechanism_gate.py`). It is weighed
+on verified drafts, not in TPL: a shadow token at the last layer is the
+target's own, accepted whatever the copy would have drafted.
+
 State is per request and fed only from tokens and gathered logits, which are
 identical on every tensor-parallel rank, and the measured overhead is rank
 0's on every rank, so every rank makes the same choices.

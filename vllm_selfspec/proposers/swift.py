@@ -35,7 +35,10 @@ clients send: a set that may not compile yet drafts uncompiled meanwhile;
 off, it always drafts uncompiled).
 
 Drafting stops after a token whose top-1 probability is below `confidence`,
-at most `num_speculative_tokens` (25) a round. Verification is vLLM's chain
+at most `num_speculative_tokens` (25) a round. Cost-aware, a round drafts with
+the set only where its measured acceptance and step cost beat the full-depth
+draft over the same weights (`full_depth`, `policy/mechanism_gate.py`); the
+other rounds are that base's, as `draft_verify` drafts at its defaults. Verification is vLLM's chain
 rejection sampler; why there is no token tree is in docs/swift-design.md.
 
 On tensor-parallel ranks the candidate comes from rank 0 and every rank takes
