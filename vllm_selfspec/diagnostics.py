@@ -102,12 +102,10 @@ def _time_forward(model, vllm_config, batch_size: int, repeats: int) -> float:
     return _median_seconds(_forward_step(model, batch_size), vllm_config, batch_size, repeats)
 
 
-def draft_step_ratio(vllm_config, mechanism, base, repeats: int = 10) -> float:
-    """One decode step of the `mechanism` draft over one of the `base` draft
-    at batch 1 (each with its LM head), in profiling mode; also compiles
-    both at start-up rather than in a user's request."""
-    return (_time_forward(mechanism, vllm_config, 1, repeats)
-            / _time_forward(base, vllm_config, 1, repeats))
+def draft_step_seconds(vllm_config, draft, repeats: int = 10) -> float:
+    """One decode step of `draft` at batch 1 with its LM head, in profiling
+    mode (which also compiles it at start-up, not in a user's request)."""
+    return _time_forward(draft, vllm_config, 1, repeats)
 
 
 def profile_forwards(worker, batch_size: int = 1, steps: int = 5, top: int = 20) -> dict:

@@ -127,6 +127,12 @@ class AdaDecodeProposer(EarlyExitProposer):
         # The full-depth base's stop: draft_verify's at its defaults.
         self.confidence_stop = ConfidenceStop(REFERENCE_RULE)
 
+    def segment_ends(self, num_layers: int) -> list[int]:
+        """The exits, then the last layer where tokens no head is sure of go
+        on to it (`full_depth`)."""
+        ends = super().segment_ends(num_layers)
+        return ends + [num_layers] if self.options.full_depth and ends[-1] < num_layers else ends
+
     def has_mechanism(self) -> bool:
         """False: the heads draft within the base's rounds, each weighed
         against it by the exit gate, not a round's whole source."""
@@ -189,7 +195,7 @@ class AdaDecodeProposer(EarlyExitProposer):
         no_exit = self.options.threshold >= 1.0 or (
             gate is not None and not gate.shadow and not any(gate.open))
         if no_exit and self.fallback_end is not None:
-            return self.base_step(round_tokens, positions, cad, step, drafting)
+            return self.full_depth_step(round_tokens, cad, step, drafting)
         batch_size, width = round_tokens.shape
         window_cad, window_positions = window_metadata(cad, positions, width, self.arange,
                                                        self.token_arange_np, self.block_size)
@@ -239,6 +245,27 @@ class AdaDecodeProposer(EarlyExitProposer):
                 step < self._round_sources.shape[1]):
             self._round_sources[:, step] = made_by
         return DraftStep(chosen, exited & drafting, by_mechanism=early)
+
+    def full_depth_step(self, round_tokens, cad, step, drafting) -> DraftStep:
+        """A round in which no head may exit (the gate closed them all, or the
+        threshold is 1 or more) over the full-depth base: no token exits early,
+        so every earlier draft's KV is complete and the step runs the newest
+        token alone through every segment, as the base's own draft does (no
+        window, no head but the last)."""
+        batch_size = round_tokens.shape[0]
+        _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(
+            cad, draft_index=step)
+        self.input_ids[:batch_size] = round_tokens[:, -1]
+        hidden_states = residual = None
+        with self.draft_forward_context(per_layer_metadata, batch_size,
+                                        self._get_slot_mapping(batch_size)):
+            for segment in self.model.segments:
+                hidden_states, residual, head_input = segment(
+                    self.input_ids[:batch_size], self._get_positions(batch_size),
+                    hidden_states, residual)
+            logits = self.model.compute_logits(head_input)
+        self.policy.counters.add_step(segment.end)
+        return DraftStep(logits, drafting, by_mechanism=torch.zeros_like(drafting))
 
 
 CONFIG_CLASS = AdaDecodeConfig

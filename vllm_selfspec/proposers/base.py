@@ -173,8 +173,9 @@ class SelfSpecProposer(DraftModelProposer):
         return self._plan_step(self.base_draft, round_tokens, cad, step)
 
     def mechanism_share(self, req_ids: list[str]) -> float:
-        """This round's mechanism draft step over the base's (called after
-        `begin_round`). Default: the plans' ratio timed at start-up."""
+        """A mechanism draft step over the base's for this round's requests
+        (called before `begin_round`). Default: the plans' ratio timed at
+        start-up."""
         return self.mechanism_step_share
 
     def stop_after(
@@ -200,7 +201,8 @@ class SelfSpecProposer(DraftModelProposer):
 
     def begin_round(self, req_ids: list[str], verified: VerifiedTokens) -> None:
         """Look at the forward that just ran, in a round that self-drafts
-        (called before its first draft step)."""
+        (called before its first draft step, after its source is chosen:
+        `self.source`)."""
 
     def per_request_state(self) -> dict[str, int]:
         """Requests with state held now, per kind of state: the requests vLLM
@@ -325,10 +327,11 @@ class SelfSpecProposer(DraftModelProposer):
         (rank 0's on every rank). Default: the two plans' drafts."""
         from vllm.distributed import get_tp_group
 
-        from vllm_selfspec.diagnostics import draft_step_ratio
+        from vllm_selfspec.diagnostics import draft_step_seconds
 
-        return get_tp_group().broadcast_object(
-            draft_step_ratio(self.vllm_config, self.model, self.base_draft), src=0)
+        ratio = (draft_step_seconds(self.vllm_config, self.model)
+                 / draft_step_seconds(self.vllm_config, self.base_draft))
+        return get_tp_group().broadcast_object(ratio, src=0)
 
     def _time_forwards(self) -> ForwardTimes:
         """The profiling-mode forward times: every rank runs the timing
@@ -523,6 +526,7 @@ class SelfSpecProposer(DraftModelProposer):
             budget = torch.tensor(budgets, device=self.device)
         if token_indices_to_sample is None:
             token_indices_to_sample = common_attn_metadata.query_start_loc[1:] - 1
+        source = self._choose_source(req_ids)
         # Only a round that self-drafts pays for the method's look at the
         # forward (DEL's shadow tokens, SWIFT's search): a declined round
         # costs what a plain step costs.
@@ -530,7 +534,6 @@ class SelfSpecProposer(DraftModelProposer):
             target_token_ids, target_hidden_states, next_token_ids,
             token_indices_to_sample, common_attn_metadata.query_start_loc[:batch_size],
             target_positions, common_attn_metadata))
-        source = self._choose_source(req_ids)
         base_round = source is not None and not source.mechanism
         num_steps = min(decision.steps, REFERENCE_MAX_DRAFTS) if base_round else decision.steps
         positions = target_positions[token_indices_to_sample]

@@ -53,6 +53,10 @@ from vllm_selfspec.proposers.early_exit import EarlyExitConfig, EarlyExitPropose
 # Timings per exit layer for the measured step_overhead: a few suffice, as the
 # fit runs through every exit (about a second on SmolLM2, once, at start-up).
 EXIT_TIMING_REPEATS = 5
+# Rounds the full-depth base drafts need no exit choice; their statistics are
+# updated one round in this many (each update costs an LM-head pass over
+# every exit's positions), and in every round the exits draft.
+BASE_ROUND_STATS_EVERY = 4
 
 
 @config
@@ -143,7 +147,7 @@ class DelConfig(EarlyExitConfig):
                 f"candidate exit layers {self.exit_layers}.")
 
     def method_hash_factors(self) -> list:
-        return [self.heads, self.exit_layers, self.full_depth]
+        return [self.heads, self.exit_layers]
 
 
 @dataclass
@@ -171,15 +175,25 @@ class DelProposer(EarlyExitProposer):
         self.plan: RoundPlan | None = None
         self.trace: dict[str, list[dict]] | None = None  # per round, when enabled
         self.measured_overhead: float | None = None  # rank 0's, timed at start-up
-        # Seconds of a draft step exiting at each segment's end (the full-depth
-        # base's included), rank 0's, timed with the overhead.
+        # Seconds of a draft step exiting at each exit, rank 0's, timed with
+        # the overhead.
         self.exit_seconds: dict[int, float] | None = None
+        self.full_depth_seconds: float | None = None  # the base's draft step, rank 0's
+        self.base_rounds = 0
 
     def aux_hidden_state_layers(self) -> tuple[int, ...]:
         return tuple(self.options.exit_layers)
 
+    def draft_depth(self, num_layers: int) -> int:
+        """Every layer where the full-depth base drafts (`full_depth`)."""
+        return num_layers if self.options.full_depth else super().draft_depth(num_layers)
+
     # --- statistics -------------------------------------------------------
     def begin_round(self, req_ids: list[str], verified: VerifiedTokens) -> None:
+        if self.source is not None and not self.source.mechanism:
+            self.base_rounds += 1
+            if self.base_rounds % BASE_ROUND_STATS_EVERY:
+                return  # a base round: no exit to choose
         counts = self._shadow_counts(verified).cpu().numpy()
         layers = np.asarray(self.options.exit_layers)
         num_layers = self.model.plan.num_layers
@@ -241,19 +255,25 @@ class DelProposer(EarlyExitProposer):
     def _time_mechanism_share(self) -> float:
         """A step at the deepest candidate exit over a full-depth step (the
         most a round's share can be; each round's is `mechanism_share`)."""
+        from vllm.distributed import get_tp_group
+
+        from vllm_selfspec.diagnostics import draft_step_seconds
+
         self.time_exits()
-        return (self.exit_seconds[self.options.exit_layers[-1]]
-                / self.exit_seconds[self.model.plan.num_layers])
+        self.full_depth_seconds = get_tp_group().broadcast_object(
+            draft_step_seconds(self.vllm_config, self.base_draft), src=0)
+        return self.exit_seconds[self.options.exit_layers[-1]] / self.full_depth_seconds
 
     def mechanism_share(self, req_ids: list[str]) -> float:
-        """A step to this round's deepest chosen exit over a full-depth step,
-        as timed at start-up (before that: the layers' share)."""
-        drafting = [c.exit_layer for c in self.plan.choices if c.max_drafts > 0]
-        deepest = max(drafting, default=self.options.exit_layers[0])
-        num_layers = self.model.plan.num_layers
-        if not self.exit_seconds:
-            return deepest / num_layers
-        return self.exit_seconds[deepest] / self.exit_seconds[num_layers]
+        """A step to the deepest exit the last chosen exits drafted at over a
+        full-depth step, as timed at start-up (before any choice: the
+        deepest candidate's; before any timing: the layers' share)."""
+        drafting = [] if self.plan is None else [
+            c.exit_layer for c in self.plan.choices if c.max_drafts > 0]
+        deepest = max(drafting, default=self.options.exit_layers[-1])
+        if not self.exit_seconds or not self.full_depth_seconds:
+            return deepest / self.model.plan.num_layers
+        return self.exit_seconds[deepest] / self.full_depth_seconds
 
     def _shadow_counts(self, verified: VerifiedTokens) -> torch.Tensor:
         """[batch, 4, candidates]: valid positions (repeated per candidate),
@@ -272,9 +292,8 @@ class DelProposer(EarlyExitProposer):
         states = verified.hidden_states[rows].view(rows.numel(), num_exits, -1)
         # One LM-head pass over every exit's rows: the head's weights are read
         # once, not once per exit (on SmolLM2 a pass costs a fifth of a step).
-        head_inputs = torch.cat([
-            segment.head_input(states[:, index])
-            for index, segment in enumerate(self.model.segments[:num_exits])])
+        head_inputs = torch.cat([segment.head_input(states[:, index])
+                                 for index, segment in enumerate(self.model.segments)])
         shadow_tokens, confidence = top1(self.model.compute_logits(head_inputs))
         matched_t = (shadow_tokens.view(num_exits, -1) == following).t().float()
         confidence_t = confidence.view(num_exits, -1).t()

@@ -34,7 +34,7 @@ from vllm_selfspec.draft.heads import (
 )
 from vllm_selfspec.draft.model import key_compile_cache
 from vllm_selfspec.models import adapter_for
-from vllm_selfspec.proposers.base import DraftStep, SelfSpecProposer
+from vllm_selfspec.proposers.base import SelfSpecProposer
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -168,36 +168,11 @@ class EarlyExitProposer(SelfSpecProposer):
     options: EarlyExitConfig
 
     def segment_ends(self, num_layers: int) -> list[int]:
-        """Where the draft's segments end: at each exit layer, then at the last
-        layer for the full-depth base (`full_depth`)."""
-        ends = list(self.options.exit_layers)
-        return ends + [num_layers] if self.options.full_depth and ends[-1] < num_layers else ends
+        """Where the draft's segments end: at each exit layer."""
+        return list(self.options.exit_layers)
 
     def has_mechanism(self) -> bool:
         return self.options.exit_layers[0] < self.model.plan.num_layers
-
-    def build_base_draft(self, num_layers: int) -> None:
-        """None: a base step runs every segment (`base_step`)."""
-        return None
-
-    def base_step(self, round_tokens, positions, cad, step, drafting) -> DraftStep:
-        """A full-depth draft step: the newest token alone through every
-        segment, as the base's own draft runs (no window, no head but the
-        last's), so every draft's KV is complete at every layer."""
-        batch_size = round_tokens.shape[0]
-        _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(
-            cad, draft_index=step)
-        self.input_ids[:batch_size] = round_tokens[:, -1]
-        hidden_states = residual = None
-        with self.draft_forward_context(per_layer_metadata, batch_size,
-                                        self._get_slot_mapping(batch_size)):
-            for segment in self.model.segments:
-                hidden_states, residual, head_input = segment(
-                    self.input_ids[:batch_size], self._get_positions(batch_size),
-                    hidden_states, residual)
-            logits = self.model.compute_logits(head_input)
-        self.policy.counters.add_step(segment.end)
-        return DraftStep(logits, drafting, by_mechanism=torch.zeros_like(drafting))
 
     def draft_depth(self, num_layers: int) -> int:
         return max(self.segment_ends(num_layers))
