@@ -338,10 +338,13 @@ def time_forwards(runner, drafter, max_drafts: int) -> ForwardTimes:
                       scheduler.max_num_seqs * (1 + max_drafts))
     tokens = timing_grid(most_tokens)
     batch_sizes = timing_grid(min(scheduler.max_num_seqs, MAX_TIMED_BATCH))
+    # Where a mechanism is weighed against the full-depth base, the base's step
+    # (the gate reads the mechanism's through its timed share).
+    draft = drafter.model if drafter.base_draft is None else drafter.base_draft
     return ForwardTimes(
         tokens, tuple(_time_forward(runner.model, runner.vllm_config, n, _repeats(n))
                       for n in tokens),
-        batch_sizes, tuple(_time_forward(drafter.model, drafter.vllm_config, b, _repeats(b))
+        batch_sizes, tuple(_time_forward(draft, drafter.vllm_config, b, _repeats(b))
                            for b in batch_sizes))
 
 

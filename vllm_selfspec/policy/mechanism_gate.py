@@ -158,5 +158,5 @@ class MechanismGate:
                     if self.mechanism.rounds else None),
                 "base_round_length": rounded(
                     self.base.drafted / self.base.rounds if self.base.rounds else None),
-                "mechanism_step_share": rounded(
+                "mechanism_share_of_steps": rounded(
                     self.mechanism_steps / self.steps if self.steps else None)}

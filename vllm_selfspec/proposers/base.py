@@ -140,14 +140,16 @@ class SelfSpecProposer(DraftModelProposer):
         self.suffix_lookup: SuffixLookup | None = None  # lookup source "suffix"
         # The mechanism against the full-depth base (`full_depth`; set at load
         # for a method with a mechanism): the gate, the base's stop, the
-        # mechanism's draft step over the base's (timed at start-up), and the
-        # last self-drafting round's source and requests.
+        # mechanism's draft step over the base's (timed at start-up; 1 where
+        # nothing was timed then: the mechanism must win on acceptance), this
+        # self-drafting round's source, and the source of each request's last
+        # self-drafts (vLLM may verify them a round later).
         self.mechanism_gate: MechanismGate | None = None
         self.base_draft: nn.Module | None = None
         self.base_stop = ConfidenceStop(REFERENCE_RULE)
         self.mechanism_step_share = 1.0
         self.source: SourceChoice | None = None
-        self._source_req_ids: set[str] = set()
+        self._request_sources: dict[str, SourceChoice] = {}
         # Records, clock, costs, the last round: cost-aware drafting's state.
         self.policy = RoundPolicy(self.options, self.num_speculative_tokens,
                                   self._time_forwards, share=_from_rank_0)
@@ -210,7 +212,7 @@ class SelfSpecProposer(DraftModelProposer):
         trees = {} if self.suffix_lookup is None else {
             "suffix_trees": len(self.suffix_lookup.fed)}
         base = {} if self.mechanism_gate is None else {
-            "base_thresholds": len(self.base_stop), "source_rows": len(self._source_req_ids)}
+            "base_thresholds": len(self.base_stop), "request_sources": len(self._request_sources)}
         return {**self.policy.per_request_state(), **trees, **base}
 
     # --- vLLM's proposer interface -------------------------------------------
@@ -461,7 +463,7 @@ class SelfSpecProposer(DraftModelProposer):
         """A request's verified self-drafts: to the gate, by the source that
         made them, and to that source's stop (the base's moves on the base's
         own rounds, not on its trials)."""
-        source = self.source if req_id in self._source_req_ids else None
+        source = self._request_sources.get(req_id)
         if source is None or source.mechanism:
             self.observe_round(req_id, accepted, drafted)
         if source is None:
@@ -481,7 +483,8 @@ class SelfSpecProposer(DraftModelProposer):
             (self.num_speculative_tokens, min(self.num_speculative_tokens,
                                               REFERENCE_MAX_DRAFTS)),
             self.mechanism_share(req_ids))
-        self.source, self._source_req_ids = source, set(req_ids)
+        self.source = source
+        self._request_sources.update(dict.fromkeys(req_ids, source))
         if source.trial:
             self.policy.note_trials(req_ids)
         return source
@@ -496,7 +499,8 @@ class SelfSpecProposer(DraftModelProposer):
         if live is not None:
             self.forget_finished(live)
             self.base_stop.forget(live)
-            self._source_req_ids &= live
+            for req_id in set(self._request_sources) - live:
+                del self._request_sources[req_id]
             if self.suffix_lookup is not None:
                 self.suffix_lookup.forget(live)
 

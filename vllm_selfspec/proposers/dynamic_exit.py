@@ -179,6 +179,9 @@ class DelProposer(EarlyExitProposer):
         # the overhead.
         self.exit_seconds: dict[int, float] | None = None
         self.full_depth_seconds: float | None = None  # the base's draft step, rank 0's
+        # Each request's exit when it last chose to draft (the gate prices a
+        # round of the exits by its requests' deepest).
+        self.drafting_exits: dict[str, int] = {}
         self.base_rounds = 0
 
     def aux_hidden_state_layers(self) -> tuple[int, ...]:
@@ -208,6 +211,9 @@ class DelProposer(EarlyExitProposer):
             choices.append(stats.choose(num_layers, self.options.max_draft,
                                         self.options.exit_layer, self.options.draft_length,
                                         overhead))
+        for req_id, choice in zip(req_ids, choices):
+            if choice.max_drafts > 0:
+                self.drafting_exits[req_id] = choice.exit_layer
         self.plan = RoundPlan(
             choices,
             torch.tensor([c.threshold for c in choices], device=self.device),
@@ -265,12 +271,11 @@ class DelProposer(EarlyExitProposer):
         return self.exit_seconds[self.options.exit_layers[-1]] / self.full_depth_seconds
 
     def mechanism_share(self, req_ids: list[str]) -> float:
-        """A step to the deepest exit the last chosen exits drafted at over a
-        full-depth step, as timed at start-up (before any choice: the
-        deepest candidate's; before any timing: the layers' share)."""
-        drafting = [] if self.plan is None else [
-            c.exit_layer for c in self.plan.choices if c.max_drafts > 0]
-        deepest = max(drafting, default=self.options.exit_layers[-1])
+        """A step to the deepest exit these requests last chose to draft at
+        over a full-depth step, as timed at start-up (requests that never
+        chose: the deepest candidate; before any timing: the layers' share)."""
+        deepest = max(self.drafting_exits.get(req_id, self.options.exit_layers[-1])
+                      for req_id in req_ids)
         if not self.exit_seconds or not self.full_depth_seconds:
             return deepest / self.model.plan.num_layers
         return self.exit_seconds[deepest] / self.full_depth_seconds
@@ -306,9 +311,12 @@ class DelProposer(EarlyExitProposer):
     def forget_finished(self, live_req_ids: set[str]) -> None:
         for req_id in set(self.exit_stats) - live_req_ids:
             del self.exit_stats[req_id]
+        for req_id in set(self.drafting_exits) - live_req_ids:
+            del self.drafting_exits[req_id]
 
     def per_request_state(self) -> dict[str, int]:
-        return {**super().per_request_state(), "exit_stats": len(self.exit_stats)}
+        return {**super().per_request_state(), "exit_stats": len(self.exit_stats),
+                "drafting_exits": len(self.drafting_exits)}
 
     # --- drafting ---------------------------------------------------------
     def draft_step(self, round_tokens, positions, cad, step, drafting):
