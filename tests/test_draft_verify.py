@@ -188,9 +188,11 @@ def test_cost_aware_drafting_declines_where_drafts_lose(plain_outputs, test_prom
     probes the others every 8th round, so requests draft a small fraction of
     what forced drafting would and some rounds run no draft forward at all;
     outputs stay plain vLLM's. The budget's prior (profiling-mode costs) is
-    timed at start-up, before any request."""
+    timed at start-up, before any request. (The skip set drafts every round
+    it drafts: no full-depth base to fall back on.)"""
     spec = {"method": "draft_verify", "num_speculative_tokens": 4, "cost_aware": True,
-            "probe_every": 8, "attn_skip": list(range(1, 30)), "mlp_skip": list(range(1, 30))}
+            "probe_every": 8, "attn_skip": list(range(1, 30)), "mlp_skip": list(range(1, 30)),
+            "full_depth": False}
     llm = start_engine(spec, worker_extension_cls=WORKER_EXTENSION)
     try:
         (at_start_up,) = llm.collective_rpc("selfspec_round_costs")
