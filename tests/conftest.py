@@ -325,6 +325,24 @@ def assert_greedy_parity_with_rejections(llm, plain_outputs, test_prompts,
     assert 0 < acceptance.accepted < acceptance.drafted
 
 
+def gated_run(spec: dict, test_prompts) -> tuple[list[str], int, int, dict | None]:
+    """`spec` cost-aware over an int8 copy in its own engine, the batch-1 parity
+    prompts greedy: the outputs, the self-drafts the full-depth base and the
+    method's mechanism made, and the mechanism gate's report."""
+    from vllm_selfspec.diagnostics import WORKER_EXTENSION
+
+    llm = start_engine({**spec, "cost_aware": True, "draft_precision": "int8"},
+                       worker_extension_cls=WORKER_EXTENSION)
+    try:
+        acceptance = Acceptance()
+        outputs = greedy(llm, prompts_at(test_prompts, 1), 1, acceptance=acceptance)
+        (gate,) = llm.collective_rpc("selfspec_mechanism_gate")
+    finally:
+        stop_engine(llm)
+    by_mechanism = acceptance.sources["mechanism_drafted"]
+    return outputs, acceptance.sources["self_drafted"] - by_mechanism, by_mechanism, gate
+
+
 def assert_every_draft_accepted(llm, plain_outputs, test_prompts) -> None:
     """Drafts that are the target's own tokens (full depth) must all be accepted,
     and the outputs equal plain vLLM's: any KV or metadata bug shows as a rejection."""

@@ -12,8 +12,8 @@ from tests.conftest import (
     assert_every_draft_accepted,
     assert_greedy_parity_with_rejections,
     assert_same_sampling_distribution,
+    gated_run,
     greedy,
-    prompts_at,
     start_engine,
     stop_engine,
     tensor_parallel_engine,
@@ -111,18 +111,9 @@ def test_the_full_depth_base_drafts_where_the_exits_lose(plain_outputs, test_pro
     """Cost-aware over an int8 copy (`full_depth`, the default): the shipped
     exits draft only in the gate's trials, the copy's full-depth draft (far
     better accepted) the rest, losslessly."""
-    llm = start_engine({**DEL, "cost_aware": True, "draft_precision": "int8"},
-                       worker_extension_cls=WORKER_EXTENSION)
-    try:
-        acceptance = Acceptance()
-        outputs = greedy(llm, prompts_at(test_prompts, 1), 1, acceptance=acceptance)
-        (gate,) = llm.collective_rpc("selfspec_mechanism_gate")
-    finally:
-        stop_engine(llm)
+    outputs, by_base, by_mechanism, gate = gated_run(DEL, test_prompts)
     assert outputs == plain_outputs[1]
-    sources = acceptance.sources
-    by_base = sources["self_drafted"] - sources["mechanism_drafted"]
-    assert by_base > 4 * sources["mechanism_drafted"] > 0, (sources, gate)
+    assert by_base > 4 * by_mechanism > 0, (by_base, by_mechanism, gate)
     assert gate["base_acceptance"] > 0.7, gate
     assert 0 < gate["step_cost_share"] < 1, gate
 

@@ -13,8 +13,8 @@ import pytest
 from tests.conftest import (
     Acceptance,
     assert_greedy_parity_with_rejections,
+    gated_run,
     greedy,
-    prompts_at,
     start_engine,
     stop_engine,
 )
@@ -137,24 +137,15 @@ def test_the_full_depth_base_drafts_where_the_skip_set_loses(plain_outputs, test
     skip set drafts only in the gate's trials, the copy's full-depth draft
     (far better accepted) the rest, losslessly; full_depth false: every
     self-draft is the skip set's."""
-    spec = {"method": "swift", "cost_aware": True, "draft_precision": "int8"}
     for full_depth in (True, False):
-        llm = start_engine({**spec, "full_depth": full_depth},
-                           worker_extension_cls=WORKER_EXTENSION)
-        try:
-            acceptance = Acceptance()
-            outputs = greedy(llm, prompts_at(test_prompts, 1), 1, acceptance=acceptance)
-            (gate,) = llm.collective_rpc("selfspec_mechanism_gate")
-        finally:
-            stop_engine(llm)
+        outputs, by_base, by_mechanism, gate = gated_run(
+            {"method": "swift", "full_depth": full_depth}, test_prompts)
         assert outputs == plain_outputs[1]
-        sources = acceptance.sources
-        by_base = sources["self_drafted"] - sources["mechanism_drafted"]
         if full_depth:
-            assert by_base > 4 * sources["mechanism_drafted"] > 0, (sources, gate)
+            assert by_base > 4 * by_mechanism > 0, (by_base, by_mechanism, gate)
             assert 0 < gate["step_cost_share"] < 1, gate
         else:
-            assert gate is None and by_base == 0 < sources["mechanism_drafted"], sources
+            assert gate is None and by_base == 0 < by_mechanism, (by_base, by_mechanism)
 
 
 def test_compiled_engine_compiles_the_learned_set(smollm2_first_layers_dir, test_prompts,

@@ -252,7 +252,7 @@ class SelfSpecProposer(DraftModelProposer):
     def build_draft(self, num_layers: int) -> nn.Module:
         return self._build_draft(self.layer_plan(num_layers))
 
-    def build_base_draft(self, num_layers: int) -> nn.Module | None:
+    def build_base_draft(self, num_layers: int) -> nn.Module:
         """The full-depth draft of base rounds. Default: the full plan's."""
         return self._build_draft(LayerPlan.skipping(num_layers, [], []))
 
