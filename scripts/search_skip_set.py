@@ -6,8 +6,10 @@ Each of the 2L dimensions (attention and MLP sub-block of every layer) is in
 [0, 1] and > 0.5 means "skip". One eager engine serves the whole search: each
 candidate is swapped into the running drafter (`set_skip_set`), then the dev
 prompts are decoded one at a time and timed from vLLM's per-request
-timestamps. The best set is written into vllm_selfspec/configs/<model>.json for
-`{"method": "draft_verify", "config_file": "<model>"}`.
+timestamps. The search's history, plot and a config file holding the best set
+go to runs/<name>.{json,png} and runs/<name>-config.json, for
+`{"method": "draft_verify", "config_file": "runs/<name>-config.json"}`;
+`--install` writes the set into the shipped vllm_selfspec/configs/<model>.json.
 
     python scripts/search_skip_set.py --model smollm2-135m --iterations 80
 """
@@ -22,7 +24,7 @@ import time
 from tqdm import tqdm
 
 from vllm_selfspec import prompts as prompt_sets
-from vllm_selfspec.assets import CONFIGS_DIR, ROOT, fast_dtype
+from vllm_selfspec.assets import CONFIGS_DIR, RESULTS_DIR, ROOT, fast_dtype
 
 
 def decode_seconds_per_token(llm, prompts, max_tokens: int) -> tuple[float, float | None]:
@@ -59,7 +61,11 @@ def main() -> None:
     parser.add_argument("--dtype", default=fast_dtype(),
                         help="(default: bfloat16 where the hardware has it, else float32)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--name", help="runs/<name>.* (default: search-<model>)")
+    parser.add_argument("--install", action="store_true",
+                        help=f"also write the best set into the shipped {CONFIGS_DIR.name}/<model>.json")
     args = parser.parse_args()
+    name = args.name or f"search-{args.model}"
 
     from bayes_opt import BayesianOptimization
     from transformers import AutoConfig, AutoTokenizer
@@ -118,8 +124,8 @@ def main() -> None:
     llm.llm_engine.engine_core.shutdown()
 
     best = min(history, key=lambda h: h["ms_per_token"])
-    config_path = CONFIGS_DIR / f"{args.model}.json"
-    config = json.loads(config_path.read_text()) if config_path.exists() else {
+    shipped = CONFIGS_DIR / f"{args.model}.json"
+    config = json.loads(shipped.read_text()) if shipped.exists() else {
         "model": f"models/{args.model} (scripts/build_model.py {args.model})",
         "num_hidden_layers": num_layers, "methods": {}}
     config["methods"].setdefault("draft_verify", {}).update(
@@ -139,14 +145,15 @@ def main() -> None:
         "evaluations": len(history),
         "minutes": round((time.time() - started) / 60, 1),
     }
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
-    results = ROOT / "results"
-    results.mkdir(exist_ok=True)
-    (results / f"search-{args.model}.json").write_text(json.dumps(history, indent=1))
-    _plot(history, full_depth_ms, results / f"search-{args.model}.png")
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    config_paths = [RESULTS_DIR / f"{name}-config.json"] + ([shipped] if args.install else [])
+    for path in config_paths:
+        path.write_text(json.dumps(config, indent=2) + "\n")
+    (RESULTS_DIR / f"{name}.json").write_text(json.dumps(history, indent=1))
+    _plot(history, full_depth_ms, RESULTS_DIR / f"{name}.png")
     print(f"best: {best['ms_per_token']:.1f} ms/token (full depth {full_depth_ms:.1f}), "
           f"acceptance {best['acceptance']}, attn_skip={best['attn_skip']} "
-          f"mlp_skip={best['mlp_skip']} -> {config_path}")
+          f"mlp_skip={best['mlp_skip']} -> {', '.join(map(str, config_paths))}")
 
 
 def _plot(history: list[dict], full_depth_ms: float, path) -> None:

@@ -46,6 +46,24 @@ def test_every_committed_result_is_cited_by_a_page():
     assert not uncited, f"results no page cites (delete them or cite them): {uncited}"
 
 
+def test_every_run_a_page_names_has_its_result_committed():
+    """A command a page quotes with `--name NAME` wrote results/NAME.*: the
+    figures the page takes from it can be checked."""
+    names = set(re.findall(r"--name ([\w.+-]+)", text_of(docs())))
+    committed = {path.rsplit("/", 1)[1].rsplit(".", 1)[0] for path in tracked("results/")}
+    assert names, "no page quotes a run's command"
+    assert not names - committed, sorted(names - committed)
+
+
+def test_pages_cite_results_by_whole_names():
+    """A result cited by a fragment (`-sets.png`, `{a,b}.json`) is a name
+    neither a reader nor the checks above can find."""
+    fragment = re.compile(r"`-[\w.-]+\.(?:png|json)`|\{[\w,.-]*\}\.(?:json|png|\*)")
+    found = [f"{path}: {match.group(0)}" for path in docs()
+             for match in fragment.finditer((ROOT / path).read_text())]
+    assert not found, found
+
+
 def test_every_path_the_repository_cites_exists():
     """Docs, code and comments cite files that are there (`results/` files are
     written by a run, so only committed ones are checked when a doc cites

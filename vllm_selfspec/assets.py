@@ -68,7 +68,7 @@ def cpu_flags() -> tuple[str, ...]:
 def fast_dtype() -> str:
     """bfloat16 where the hardware computes it natively (a GPU, or a CPU with
     AVX-512 BF16 or AMX), else float32: on an AVX2-only CPU, bf16 is emulated
-    and decodes several times slower than float32."""
+    and decodes slower than float32."""
     import torch
 
     if torch.cuda.is_available():

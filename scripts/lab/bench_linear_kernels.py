@@ -1,6 +1,6 @@
 """Time one decode step's linear layers per weight format, on one thread.
 
-A draft step is ~95 % matrix multiplies (`selfspec_profile_forwards`), so its
+A draft step is mostly matrix multiplies (`selfspec_profile_forwards`), so its
 cost against a plain step is set by how fast each kernel streams its weights.
 This builds every linear layer of a model's decoder (its shapes from the
 model's config.json, random weights, one copy per layer so nothing stays in
@@ -10,7 +10,7 @@ cache) and times a pass through all of them for a batch of tokens:
   (`--dtype`), what a plain step runs;
 - int8: the draft's int8 copy (vLLM's int8 kernel selector; on an x86 CPU
   without VNNI or AMX, fbgemm's dynamic int8 linear, timed here in eager
-  Python, ~50 us more per layer than in a compiled draft);
+  Python, a little slower per layer than in a compiled draft);
 - int8 (vLLM): vLLM's int8 kernel selector on any CPU;
 - int8 (fbgemm): fbgemm's dynamic int8 linear on any x86 CPU;
 - int4: the draft's W4A16 copy (vLLM's mixed-precision selector; where the

@@ -6,9 +6,8 @@ allow, oneDNN otherwise; on CUDA, CUTLASS. int4 (W4A16, symmetric, groups of
 64 inputs) goes through `choose_mp_linear_kernel`: `cpu_gemm_wna16` on the CPU,
 Marlin and friends on CUDA; the head then stays int8. Two CPU fallbacks: on
 an x86 CPU without VNNI or AMX, vLLM's oneDNN int8 path has no fast kernel
-(3.5x the time of a float32 pass over SmolLM2's linears on an AVX2 machine),
-so int8 copies run PyTorch's fbgemm dynamic-quantised linear there
-(`DynamicInt8Kernel`); where the vLLM build has no `cpu_gemm_wna16`, int4
+(slower than a float32 pass: docs/results/kernels-and-machine.md), so int8
+copies run PyTorch's fbgemm dynamic-quantised linear there (`DynamicInt8Kernel`); where the vLLM build has no `cpu_gemm_wna16`, int4
 copies run PyTorch's int4 kernel (`WeightOnlyInt4Kernel`).
 """
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 # Slots (8 bytes each) reserved in the frame that runs a step: a 64 KB frame,
 # which CPython places at the start of a 128 KB chunk, leaving the step's
-# frames about 56 KB (a SmolLM2 step needs a few KB below the runner).
+# frames about 56 KB, far more than a step needs below the runner.
 STEP_FRAME_SLOTS = 8192
 
 

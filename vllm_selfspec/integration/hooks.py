@@ -122,7 +122,7 @@ SHIPPED_DRAFTS = "selfspec_draft_token_ids"
 def sample_tokens_with_drafts(self: Any, grammar_output: Any) -> Any:
     """vLLM's, with the drafts this step proposed on the output it returns:
     `EngineCore.post_step` would otherwise ask for them in a message round
-    trip of its own (0.24 ms of a 13.5 ms SmolLM2 step on the CPU). Drafting
+    trip of its own. Drafting
     runs here, so it gets the frame room `execute_model` gets. A step whose
     forward ran but whose drafter vLLM skipped (max_model_len) is a round that
     never happened for the proposer (`skip_round`)."""
@@ -187,7 +187,7 @@ def propose_or_decline(self: Any, scheduler_output: Any, sampled_token_ids: Any,
                        aux_hidden_states: Any, spec_decode_metadata: Any,
                        common_attn_metadata: Any, slot_mappings: Any) -> Any:
     """vLLM's, unless our proposer declines the round before vLLM's drafting
-    glue runs (0.13-0.17 ms of a SmolLM2 step): then no request drafts, said
+    glue runs: then no request drafts, said
     with an empty draft list per request. Synchronous scheduling only: with
     async scheduling the next step reads the glue's device tensors."""
     if isinstance(self.speculative_config, SelfSpecConfig):
@@ -208,7 +208,7 @@ def prepare_inputs_without_drafts(self: Any, scheduler_output: Any,
                                   num_scheduled_tokens: Any) -> Any:
     """vLLM's, preparing a batch that carries no draft as plain vLLM does:
     once speculation is configured vLLM builds spec-decode metadata for every
-    batch (0.1 ms of a SmolLM2 step on the CPU), and with it the rejection
+    batch, and with it the rejection
     sampler and the drafting glue's verification path run for nothing. Without
     it (None, as for plain vLLM) the step samples with the plain sampler.
     Hybrid models read the speculative rows' offsets: they keep vLLM's path."""

@@ -408,10 +408,10 @@ class RoundClock:
 
 # A drafted round's cost at each draft count is the mean of its rounds' extra
 # without their slowest tenth: the mean, because what a round costs can vary
-# from round to round (an early exit's depth: AdaDecode's one-draft rounds on
-# Qwen2.5-Coder-1.5B took 0.36-0.41, 0.71-0.78 or 1.09-1.31 plain steps extra,
-# a median of 0.40 and a mean of 0.58) and throughput pays the mean; the
-# slowest tenth dropped keeps a pause of the machine out of it.
+# from round to round (an early exit's depth: AdaDecode's one-draft rounds
+# cost one, two or three times their median, depending on where they exited)
+# and throughput pays the mean; the slowest tenth dropped keeps a pause of the
+# machine out of it.
 SLOWEST_DROPPED = 0.1
 
 

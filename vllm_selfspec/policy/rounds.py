@@ -46,8 +46,8 @@ PAYOFF_DECAY = 0.9
 ENGINE_PAYOFF_DECAY = 0.98
 IDLE_DECAY = 0.95
 # Lookup records keep the earlier decays (0.8 per verified round, the engine's
-# too, no idle forgetting): with the ones above, SmolLM2's copy-heavy set ran
-# 1.76x instead of 2.08x in an A/B of the same hour (docs/results/batch1.md).
+# too, no idle forgetting): copying comes and goes within a request faster than
+# a layer skip's payoff does (docs/results/batch1.md has the A/B).
 LOOKUP_PAYOFF_DECAY = 0.8
 MIN_GAIN = 0.05
 PROBE_SHARE = 0.01  # of decoding time, at most, spent on probes that find nothing
@@ -184,8 +184,8 @@ class RoundPolicy:
         token, nothing verified (so only the records' idle forgetting moved,
         whose retry waits for the next decision), and before the next probe or
         cost update. Deciding touches a few hundred Python
-        objects, each a cache miss after the forward streamed the weights
-        (~0.1 ms on the CPU); this touches a few. `held`: the requests vLLM
+        objects, each a cache miss after the forward streamed the weights;
+        this touches a few. `held`: the requests vLLM
         holds (its runner's)."""
         previous = self._previous_round
         if (previous is None or self.counters.rounds + 1 >= self._quiet_until

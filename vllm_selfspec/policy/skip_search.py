@@ -116,8 +116,8 @@ def rounds_until_next_search(cost_in_plain_steps: float | None, share: float) ->
 def ucb_acquisition(kappa: float, seed: int, lbfgs_starts: int = 2):
     """UCB whose acquisition optimiser uses fewer random samples and L-BFGS
     restarts than bayes_opt's defaults: in 2L dimensions the defaults, not the
-    model, dominate the time of a suggestion (24 s per step on this CPU). With
-    `lbfgs_starts=0` only the 2000 random samples are ranked (~10 ms): for a
+    model, dominate the time of a suggestion. With `lbfgs_starts=0` only the
+    2000 random samples are ranked, fast enough for a
     search inside the serving loop, whose suggestions are rounded to a set
     anyway."""
     from bayes_opt import acquisition

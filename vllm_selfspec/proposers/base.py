@@ -556,7 +556,7 @@ class SelfSpecProposer(DraftModelProposer):
                 round_tokens, positions, cad, step, drafting)
             logits, is_draft = result.logits, result.is_draft
             # One float copy for the argmax and the methods' confidence: over
-            # bf16 logits the CPU's argmax is a scalar loop, 4x the float one.
+            # bf16 logits the CPU's argmax is a scalar loop.
             logits = logits.float()
             token_ids = (logits.argmax(dim=-1) if sampler is None
                          else sampler.sample(logits, positions))

@@ -51,7 +51,7 @@ from vllm_selfspec.proposers.base import DraftStep, VerifiedTokens
 from vllm_selfspec.proposers.early_exit import EarlyExitConfig, EarlyExitProposer
 
 # Timings per exit layer for the measured step_overhead: a few suffice, as the
-# fit runs through every exit (about a second on SmolLM2, once, at start-up).
+# fit runs through every exit once, at start-up.
 EXIT_TIMING_REPEATS = 5
 # Rounds the full-depth base drafts need no exit choice; their statistics are
 # updated one round in this many (each update costs an LM-head pass over
@@ -296,7 +296,7 @@ class DelProposer(EarlyExitProposer):
         num_exits = len(self.options.exit_layers)
         states = verified.hidden_states[rows].view(rows.numel(), num_exits, -1)
         # One LM-head pass over every exit's rows: the head's weights are read
-        # once, not once per exit (on SmolLM2 a pass costs a fifth of a step).
+        # once, not once per exit.
         head_inputs = torch.cat([segment.head_input(states[:, index])
                                  for index, segment in enumerate(self.model.segments)])
         shadow_tokens, confidence = top1(self.model.compute_logits(head_inputs))
