@@ -25,13 +25,14 @@ from bench.experiments import del_trace, del_with_step_overhead, static_exit_gri
 from bench.machine import MACHINE_TOLERANCE, engine_order, unbalanced_first_start
 from bench.plots import plot, plot_del_trace, plot_prompt_sets, plot_sweep, plot_swift_search
 from bench.presets import del_heads, method_configs
+from bench.provenance import provenance
 from bench.report import print_table, summarize
 from bench.runner import CONSOLE, Run, retake_drifted_starts, run_engines, send_engine_logs_to
 from bench.workload import benchmark_requests, prompt_set_names
 from tqdm import tqdm
 
 from vllm_selfspec import prompts as prompt_sets
-from vllm_selfspec.assets import CONFIGS_DIR, ROOT, cpu_flags, fast_dtype
+from vllm_selfspec.assets import CONFIGS_DIR, ROOT, fast_dtype
 from vllm_selfspec.assets import RESULTS_DIR as RESULTS
 from vllm_selfspec.draft.heads import ExitHeads
 
@@ -170,8 +171,8 @@ def main() -> None:
         tokenizer, [prompt_sets.CODE_THEN_STORY])[0], args) if args.del_trace else []
     RESULTS.mkdir(parents=True, exist_ok=True)
     command = "python scripts/benchmark.py " + " ".join(sys.argv[1:])
-    payload = {"command": command.strip(), "model": args.model, "dtype": args.dtype,
-               "cpu_flags": cpu_flags(), "batch_size": args.batch_size,
+    payload = {**provenance(), "command": command.strip(), "model": args.model,
+               "dtype": args.dtype, "batch_size": args.batch_size,
                "eager": args.eager, "prompts": len(prompts), "max_tokens": args.max_tokens,
                "prompt_sets": args.prompt_set, "prompt_set_of_each": labels,
                "repeats": args.repeats, "engine_starts": args.engine_starts,

@@ -28,6 +28,7 @@ import os
 from types import SimpleNamespace
 
 from bench.presets import method_configs
+from bench.provenance import provenance
 from bench.runner import CONSOLE, shutdown, start
 from bench.workload import benchmark_prompts
 from tqdm import tqdm
@@ -136,7 +137,7 @@ def main() -> None:
     command = "python scripts/profile_step.py " + " ".join(os.sys.argv[1:])
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(
-        {"command": command.strip(), "cpu_flags": cpu_flags(), "model": args.model,
+        {**provenance(), "command": command.strip(), "model": args.model,
          "dtype": args.dtype, "prompts": len(prompts), "max_tokens": args.max_tokens,
          "passes": args.passes, "batch_size": args.batch_size,
          "temperature": args.temperature,

@@ -45,13 +45,14 @@ from bench.presets import (
     recommended_config,
     recommended_suffix_config,
 )
+from bench.provenance import provenance
 from bench.report import serving_table
 from serving import Server, vllm_serve
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from vllm_selfspec import prompts as prompt_sets
-from vllm_selfspec.assets import ROOT, cpu_flags, fast_dtype
+from vllm_selfspec.assets import ROOT, fast_dtype
 from vllm_selfspec.assets import RESULTS_DIR as RESULTS
 
 
@@ -273,7 +274,7 @@ def main() -> None:
             rows += measure(name, known[name], model_dir, tokenizer, runs, args, start,
                             progress)
             (RESULTS / f"{args.name}.json").write_text(json.dumps(
-                {"argv": sys.argv, "cpu_flags": cpu_flags(), "dtype": args.dtype,
+                {**provenance(), "argv": sys.argv, "dtype": args.dtype,
                  "workload": args.workload, "items_shared_between_runs": reused,
                  "rows": rows}, indent=1))
     report = serving_table(rows, args)

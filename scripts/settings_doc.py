@@ -13,13 +13,11 @@ them is the files' own.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import re
-import sys
-from pathlib import Path
 
+from doc_tables import rewrite_or_check
 from vllm.config.utils import get_attr_docs
 
 from vllm_selfspec.assets import ROOT
@@ -96,21 +94,7 @@ def render(text: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true",
-                        help="change nothing; exit 1 naming each file that is out of date")
-    args = parser.parse_args()
-    stale = []
-    for path in FILES:
-        text = path.read_text()
-        rendered = render(text)
-        if rendered != text:
-            stale.append(path)
-            if not args.check:
-                path.write_text(rendered)
-    if args.check and stale:
-        sys.exit("out of date (run python scripts/settings_doc.py): "
-                 + ", ".join(str(Path(p).relative_to(ROOT)) for p in stale))
+    rewrite_or_check(__doc__.splitlines()[0], FILES, render, "settings_doc.py")
 
 
 if __name__ == "__main__":

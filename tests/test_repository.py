@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -53,6 +54,16 @@ def test_every_run_a_page_names_has_its_result_committed():
     committed = {path.rsplit("/", 1)[1].rsplit(".", 1)[0] for path in tracked("results/")}
     assert names, "no page quotes a run's command"
     assert not names - committed, sorted(names - committed)
+
+
+def test_results_pages_open_with_the_tables_their_result_files_give():
+    """The run tables of docs/results/ are what `scripts/results_pages.py`
+    writes from the committed result files (provenance and headline figures)."""
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "results_pages.py"),
+                             "--check"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert all("<!-- runs: " in (ROOT / page).read_text() for page in tracked("docs/results/*.md")
+               if not page.endswith("README.md"))
 
 
 def test_pages_cite_results_by_whole_names():

@@ -287,7 +287,8 @@ def test_lookup_length_follows_the_requests_own_lookups():
     keep being accepted looks up to the cap, one whose lookups part from the
     target at once looks up nothing but one token on probe rounds, each
     request by its own record; the self-draft's record is left alone. Without
-    cost-aware drafting every lookup may run to the cap."""
+    cost-aware drafting, or where the source sizes its own drafts and some
+    length pays, every lookup may run to the cap."""
     from vllm_selfspec.policy.payoff import DraftPayoff, StepCosts
     from vllm_selfspec.policy.rounds import ENGINE_PAYOFF_DECAY
 
@@ -326,6 +327,14 @@ def test_lookup_length_follows_the_requests_own_lookups():
     assert policy.per_request_state() == {"self_records": 1, "lookup_records": 2,
                                           "looked_up": 2, "trials": 0}
     assert policy.lookup_lengths(["copy", "chat"], False, 12) == [12, 12]
+    # A source that sizes its drafts itself (suffix trees) gets the cap
+    # wherever some length pays, a new request's included (its prior pays),
+    # and keeps the record's 0 and probe token where none does.
+    policy.counters.rounds = 35
+    assert policy.lookup_lengths(["copy", "chat", "new"], costs, 12,
+                                 source_sets_length=True) == [12, 0, 12]
+    policy.counters.rounds = 34
+    assert policy.lookup_lengths(["chat"], costs, 12, source_sets_length=True) == [1]
     # Untimed lookups fall back to a draft token's cost: they stay short.
     assert StepCosts(per_draft=0.8).for_lookup() == StepCosts(0.8, 0.0, 0.8)
 

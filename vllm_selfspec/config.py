@@ -146,8 +146,9 @@ class SelfSpecConfig(SpeculativeConfig):
     engine's past responses propose them. A request with a draft runs no
     self-draft; requests without one self-draft as usual, in the same batch.
     With cost_aware, as many (up to `max_tokens` and num_speculative_tokens)
-    as the request's own lookups' acceptance makes worth verifying; without
-    it, `max_tokens`."""
+    as the request's own lookups' acceptance makes worth verifying (suffix
+    trees, which size each draft by how often its continuation followed the
+    match, up to the cap wherever some length pays); without it, `max_tokens`."""
     full_depth: bool | None = None
     """The full-depth draft over the same weights is the base a skip set or
     an early exit must beat: with cost_aware, a round drafts by the method's

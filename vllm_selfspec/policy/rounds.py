@@ -27,6 +27,7 @@ from vllm_selfspec.policy.payoff import (
     StepCosts,
     batch_bucket,
     batch_steps,
+    best_budget,
     costs_for,
     probe_interval,
     reopen_interval,
@@ -256,7 +257,7 @@ class RoundPolicy:
         return RoundFeedback(accepted_now, self_drafted)
 
     def lookup_lengths(self, req_ids: list[str], costs: StepCosts | Literal[False],
-                       max_tokens: int) -> list[int]:
+                       max_tokens: int, source_sets_length: bool = False) -> list[int]:
         """The most tokens each request's lookup may draft this round: when
         cost-aware, the length its own lookups' acceptance record makes worth
         their verification (a looked-up token runs no draft step, so in text
@@ -264,14 +265,23 @@ class RoundPolicy:
         matches soon part from the target's it stays short), 0 where no
         length pays (that request then self-drafts or not, as decided for
         it), and 1 instead of 0 on a probe round, so the record recovers.
-        Without cost-aware drafting, `max_tokens`."""
+        With `source_sets_length` (a source that sizes each draft itself, as
+        suffix trees do from how often a continuation followed the match),
+        `max_tokens` wherever some length pays: the record, one acceptance per
+        token, reads a span copied whole as a geometric run that stops early,
+        and would cut the source's drafts short. Without cost-aware drafting,
+        `max_tokens`."""
         if costs is False:
             return [max_tokens] * len(req_ids)
         lookup_costs = costs.for_lookup(len(req_ids))
         probe = self.counters.rounds % probe_interval(
             lookup_costs, self.options.probe_every, PROBE_SHARE) == 0
-        return self.lookup_records.budgets(req_ids, lookup_costs, max_tokens, MIN_GAIN,
-                                           probe, self.counters.rounds)[0]
+        budgets, acceptances = self.lookup_records.budgets(
+            req_ids, lookup_costs, max_tokens, MIN_GAIN, probe, self.counters.rounds)
+        if not source_sets_length:
+            return budgets
+        return [max_tokens if best_budget(acceptance, lookup_costs, max_tokens, MIN_GAIN)
+                else budget for budget, acceptance in zip(budgets, acceptances)]
 
     def note_lookups(self, req_ids: list[str], looked_up: list[str]) -> None:
         """Which of this round's requests drafted by lookup. A request vLLM

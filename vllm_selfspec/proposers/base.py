@@ -620,7 +620,8 @@ class SelfSpecProposer(DraftModelProposer):
         batch = self.runner.input_batch
         settings = self.options.lookup
         lengths = self.policy.lookup_lengths(req_ids, costs,
-                                             min(drafts.shape[1], settings["max_tokens"]))
+                                             min(drafts.shape[1], settings["max_tokens"]),
+                                             source_sets_length=self.suffix_lookup is not None)
         contexts = request_contexts(
             req_ids, self.runner.discard_request_mask.np, batch.token_ids_cpu,
             batch.num_tokens_no_spec, step_tokens.tolist(), cad.query_start_loc_cpu.tolist(),
