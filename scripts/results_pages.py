@@ -4,8 +4,8 @@ file records them, and its headline figures computed from the file's rows
 (batch 1: each setting's speed over plain's; serving: each setting's
 throughput over plain's per clients in flight and temperature).
 
-A table sits between `<!-- runs: A=NAME; B=NAME1,NAME2; ... -->` and
-`<!-- /runs -->`: one row per run label, from results/NAME.json.
+A table sits between `<!-- runs: A=name; B=name1,name2; ... -->` and
+`<!-- /runs -->`: one row per run label, from results/<name>.json.
 
     python scripts/results_pages.py           # rewrite the tables
     python scripts/results_pages.py --check   # exit 1 if a page is out of date

@@ -23,11 +23,12 @@ from vllm.config.utils import get_attr_docs
 from vllm_selfspec.assets import ROOT
 from vllm_selfspec.config import (
     COMMON_FIELDS,
+    LOOKUP_DEFAULTS,
+    LOOKUP_KEYS,
     METHOD_MODULES,
     SelfSpecConfig,
-    config_class_for,
 )
-from vllm_selfspec.draft.lookup import LOOKUP_DEFAULTS, LOOKUP_KEYS
+from vllm_selfspec.proposers import config_class_for
 
 FILES = (ROOT / "docs" / "settings.md", ROOT / "README.md")
 BLOCK = re.compile(r"(<!-- settings:([\w-]+) -->\n)(.*?)(<!-- /settings -->)", re.S)

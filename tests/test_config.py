@@ -133,7 +133,7 @@ def test_a_method_by_its_name_gets_the_cheap_draft_and_the_shipped_assets(model_
                                                                           method):
     """Nothing but `method`: an int8 copy (on a CPU), the model's shipped
     vocabulary and heads found by its weights, lookups first."""
-    from vllm_selfspec.draft.lookup import LOOKUP_DEFAULTS
+    from vllm_selfspec.config import LOOKUP_DEFAULTS
 
     spec = engine_config(model_dir, {"method": method}).speculative_config
     assert spec.draft_precision == "int8"

@@ -88,7 +88,8 @@ def test_a_request_without_repeats_self_drafts(skip_set_with_lookup, plain):
 
 
 def suffix_lookup(max_cached_requests: int = 4):
-    from vllm_selfspec.draft.lookup import LOOKUP_DEFAULTS, SuffixLookup
+    from vllm_selfspec.config import LOOKUP_DEFAULTS
+    from vllm_selfspec.draft.lookup import SuffixLookup
 
     settings = {**LOOKUP_DEFAULTS, "source": "suffix",
                 "max_cached_requests": max_cached_requests}

@@ -7,8 +7,10 @@ subclass reports `uses_draft_model()`, which makes vLLM reserve lookahead KV
 slots, run the drafter on the sampled-token tensor, and build our proposer
 where it would build a draft-model proposer (see `integration/patches.py`).
 
-This module imports only vLLM's config package and `assets.py`, so a pickled config can be
-rebuilt in engine and worker processes before the plugin is loaded there.
+This module imports only vLLM and `assets.py` of the plugin: the bottom layer.
+What needs the draft's modules (choosing and checking the draft's weights and
+vocabulary for the target) is `draft/choice.py`, the base of every method's
+config class; `proposers/__init__.py` maps a method's name to its classes.
 """
 
 from __future__ import annotations
@@ -23,11 +25,8 @@ from typing import Any, ClassVar
 from pydantic import TypeAdapter, ValidationError
 from vllm.config import SpeculativeConfig
 from vllm.config.utils import config
-from vllm.logger import init_logger
 
 from vllm_selfspec.assets import CONFIGS_DIR
-
-logger = init_logger(f"vllm.{__name__}")
 
 # method name -> module that defines its config class and proposer class.
 METHOD_MODULES = {
@@ -58,16 +57,38 @@ DRAFT_PRECISIONS = ("auto", "target", "int8", "int4")
 GPU_COPY_SHARE = 0.10
 
 
+# A lookup draft is at most `max_tokens` long (and at most the method's
+# num_speculative_tokens): its tokens cost no draft step but each is verified.
+# Cost-aware drafting sizes each request's lookups by their record below that
+# cap (`RoundPolicy.lookup_lengths`): long in text that copies long spans,
+# short where a match's continuation soon parts from the target's
+# (docs/results/batch1.md); suffix trees size each draft themselves, from
+# how often a continuation followed the match, so their lookups run to the cap
+# wherever the record says some length pays. Without it every lookup may run
+# to the cap.
+# The suffix keys are vLLM's `suffix_decoding_*` defaults but for the cache of
+# past responses, kept smaller: each holds up to max_model_len tokens.
+LOOKUP_SOURCES = ("ngram", "suffix")
+LOOKUP_DEFAULTS = {"source": "ngram", "min_match": 2, "max_match": 8, "max_tokens": 12,
+                   "max_tree_depth": 24, "max_cached_requests": 1000,
+                   "max_spec_factor": 1.0, "min_token_prob": 0.1}
+LOOKUP_KEYS = {
+    "source": 'Where drafts are looked up: "ngram", vLLM\'s matcher over the request\'s '
+              'own tokens; "suffix", Arctic Inference\'s suffix trees over the request '
+              "and the engine's past responses (needs arctic-inference).",
+    "min_match": "ngram: the fewest of a request's last tokens that must have occurred before.",
+    "max_match": "ngram: the most of its last tokens matched (the longest match wins).",
+    "max_tokens": "The most tokens one lookup drafts.",
+    "max_tree_depth": "suffix: the most of a request's last tokens matched (the trees' depth).",
+    "max_cached_requests": "suffix: past responses kept for other requests to draft from, "
+                           "the oldest evicted first (0: none, only the request's own text).",
+    "max_spec_factor": "suffix: a draft is at most this many times the matched length.",
+    "min_token_prob": "suffix: the least estimated probability of a drafted token.",
+}
+
+
 class SelfSpecConfigError(ValueError):
     """A self-speculative config that cannot work; the message names the field."""
-
-
-def method_module(method: str):
-    return importlib.import_module(METHOD_MODULES[method])
-
-
-def config_class_for(method: str) -> type[SelfSpecConfig]:
-    return method_module(method).CONFIG_CLASS
 
 
 def _field_names(cls: type) -> set[str]:
@@ -206,6 +227,11 @@ class SelfSpecConfig(SpeculativeConfig):
     def validate_for_model(self, num_layers: int) -> None:
         """Check the method's fields against the target's layer count."""
 
+    def validate_draft_for_target(self) -> None:
+        """Choose and check the weights and vocabulary the draft reads for the
+        target (`draft/choice.py`, the base of every method's config)."""
+        raise NotImplementedError(f"{type(self).__name__} must derive from DraftChoiceConfig")
+
     def method_hash_factors(self) -> list[Any]:
         """Fields that change the draft's compiled graph."""
         return [getattr(self, name) for name in self.own_fields()]
@@ -310,9 +336,9 @@ class SelfSpecConfig(SpeculativeConfig):
                 f"{sorted(set(layer_types))} (e.g. sliding-window layers); use a model "
                 "whose layers all attend the same way.")
         self.validate_for_model(model_config.hf_config.num_hidden_layers)
-        self._validate_draft_weights_for_model()
+        self.validate_draft_for_target()
 
-    # --- draft weights and vocabulary ---------------------------------------
+    # --- fields every method has -------------------------------------------
     def validate_common_fields(self) -> None:
         if self.lookup is True:
             self.lookup = {}
@@ -342,8 +368,6 @@ class SelfSpecConfig(SpeculativeConfig):
     def _validate_lookup(self) -> None:
         if self.lookup is False:
             return
-        from vllm_selfspec.draft.lookup import LOOKUP_DEFAULTS, LOOKUP_SOURCES
-
         unknown = sorted(set(self.lookup) - set(LOOKUP_DEFAULTS))
         if unknown:
             raise SelfSpecConfigError(
@@ -376,160 +400,6 @@ class SelfSpecConfig(SpeculativeConfig):
             raise SelfSpecConfigError(
                 f"speculative_config.lookup: min_token_prob {lookup['min_token_prob']} "
                 "must be in [0, 1].")
-
-    def _validate_draft_weights_for_model(self) -> None:
-        from vllm_selfspec.draft.kernels import int4_shape_problem
-
-        model_config = self.target_model_config
-        dtype = model_config.dtype
-        chosen = []
-        if self.draft_precision == "auto":
-            self.draft_precision, why = self._automatic_precision()
-            chosen.append(f"draft_precision '{self.draft_precision}' ({why})")
-        if self.draft_vocab is None:
-            self.draft_vocab, why = self._automatic_vocab()
-            chosen.append(f"draft_vocab '{Path(self.draft_vocab).stem}' ({why})")
-            if self.draft_vocab == "full" and self.draft_vocab_size is not None:
-                raise SelfSpecConfigError(
-                    f"speculative_config.draft_vocab_size: {why}, so there is no file "
-                    "to keep tokens of; give draft_vocab a vocabulary file.")
-        if chosen:
-            logger.info("vllm-selfspec %s chose %s; set these keys to choose otherwise.",
-                        self.method, ", ".join(chosen))
-        if self.draft_precision in ("int8", "int4"):
-            from vllm.platforms import current_platform
-
-            if not (current_platform.is_cpu() or current_platform.is_cuda_alike()):
-                raise SelfSpecConfigError(
-                    f"speculative_config.draft_precision: '{self.draft_precision}' needs "
-                    "vLLM's CPU or CUDA/ROCm kernels; this platform has neither, leave "
-                    "it unset.")
-            if current_platform.is_cuda_alike() and str(dtype) not in (
-                    "torch.bfloat16", "torch.float16"):
-                raise SelfSpecConfigError(
-                    f"speculative_config.draft_precision: '{self.draft_precision}' on a GPU "
-                    f"needs bf16 or fp16 activations (vLLM's int8/int4 GPU kernels), the "
-                    f"target runs in {dtype}; load the model with dtype bfloat16.")
-        if self.draft_precision == "int4":
-            if str(dtype) not in ("torch.bfloat16", "torch.float16"):
-                raise SelfSpecConfigError(
-                    f"speculative_config.draft_precision: 'int4' (W4A16) needs bf16 or "
-                    f"fp16 activations, the target runs in {dtype}; use 'int8', or "
-                    "load the model with dtype bfloat16.")
-            for shape in _linear_shard_shapes(model_config.hf_config,
-                                              self.target_parallel_config):
-                problem = int4_shape_problem(*shape)
-                if problem:
-                    raise SelfSpecConfigError(
-                        f"speculative_config.draft_precision: 'int4' cannot run this "
-                        f"model's layers ({problem}); use 'int8'.")
-        if self.draft_vocab != "full":
-            self._check_draft_vocab()
-
-    def _automatic_precision(self) -> tuple[str, str]:
-        """What "auto" means on this platform for this model, and why."""
-        from vllm.platforms import current_platform
-
-        model_config = self.target_model_config
-        dtype = str(model_config.dtype)
-        if model_config.quantization is not None:
-            return "target", f"the target is already {model_config.quantization}-quantised"
-        if current_platform.is_cpu():
-            from vllm_selfspec.draft.kernels import int8_runs_fbgemm
-
-            kernel = ("PyTorch's fbgemm kernel: this CPU has no VNNI or AMX"
-                      if int8_runs_fbgemm() else "vLLM's int8 kernel")
-            return "int8", (f"an int8 copy reads 1/{model_config.dtype.itemsize} of the "
-                            f"target's {dtype.removeprefix('torch.')} bytes; {kernel}")
-        if current_platform.is_cuda_alike():
-            if dtype not in ("torch.bfloat16", "torch.float16"):
-                return "target", f"vLLM's int8 GPU kernels need bf16/fp16, the target runs {dtype}"
-            shapes = _linear_shard_shapes(model_config.hf_config, self.target_parallel_config)
-            copy = model_config.hf_config.num_hidden_layers * sum(o * i for o, i in shapes)
-            memory = current_platform.get_device_total_memory()
-            share = copy / memory
-            if share > GPU_COPY_SHARE:
-                return "target", (f"an int8 copy would take {copy / 1e9:.1f} GB, "
-                                  f"{share:.0%} of this GPU's memory, from the KV cache")
-            return "int8", f"an int8 copy takes {copy / 1e9:.1f} GB, {share:.0%} of this GPU"
-        return "target", f"no int8 kernels for {current_platform.device_name}"
-
-    def _automatic_vocab(self) -> tuple[str, str]:
-        """The vocabulary shipped for this model, else "full", and why."""
-        from vllm_selfspec.draft.vocab import DraftVocabError, shipped_for
-
-        identity = local_identity(self.target_model_config)
-        if identity is None:
-            return "full", "a remote model: its weights cannot be matched before loading"
-        try:
-            return str(shipped_for(identity).path), "shipped for this model"
-        except DraftVocabError:
-            return "full", "none is shipped for this model"
-
-    def _check_draft_vocab(self) -> None:
-        from vllm_selfspec.draft.vocab import DraftVocab, DraftVocabError, shipped_for
-
-        identity = local_identity(self.target_model_config)
-        try:
-            if identity is None:  # a remote model: the worker checks at load
-                if isinstance(self.draft_vocab, int):
-                    raise DraftVocabError(
-                        "speculative_config.draft_vocab: a size needs the model's "
-                        "files on disk to find its shipped vocabulary; give a file.")
-                vocab = DraftVocab.open(self.draft_vocab)
-            else:
-                vocab = (shipped_for(identity) if isinstance(self.draft_vocab, int)
-                         else DraftVocab.open(self.draft_vocab))
-                vocab.check(identity)
-            vocab.token_ids(self.draft_vocab_size)
-        except DraftVocabError as error:
-            raise SelfSpecConfigError(str(error)) from None
-        self.draft_vocab = str(vocab.path)
-        self.draft_vocab_size = self.draft_vocab_size or vocab.size
-
-    def draft_vocab_token_ids(self, final_norm=None) -> list[int] | None:
-        """The draft head's tokens (None: the whole vocabulary); with the
-        loaded model's final norm, the file is checked against it too (the
-        start-up check can only read local checkpoints)."""
-        if self.draft_vocab in (None, "full"):
-            return None
-        from vllm_selfspec.draft.heads import model_identity
-        from vllm_selfspec.draft.vocab import DraftVocab, DraftVocabError
-
-        vocab = DraftVocab.open(str(self.draft_vocab))
-        if final_norm is not None:
-            try:
-                vocab.check(model_identity(self.target_model_config.hf_config, final_norm))
-            except DraftVocabError as error:
-                raise SelfSpecConfigError(str(error)) from None
-        return vocab.token_ids(self.draft_vocab_size)
-
-
-def local_identity(model_config: Any) -> dict[str, Any] | None:
-    """The identity shipped assets are matched by (exit_heads.model_identity),
-    read from a local checkpoint; None for a remote one."""
-    from vllm_selfspec.draft.heads import local_final_norm, model_identity
-
-    norm_weight = local_final_norm(model_config.model)
-    return None if norm_weight is None else model_identity(model_config.hf_config,
-                                                            norm_weight)
-
-
-def _linear_shard_shapes(hf_config: Any, parallel_config: Any) -> list[tuple[int, int]]:
-    """(out, in) of each decoder linear weight on one tensor-parallel rank."""
-    tp = parallel_config.tensor_parallel_size if parallel_config is not None else 1
-    hidden = hf_config.hidden_size
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
-    inter = hf_config.intermediate_size
-    kv_per_rank = max(kv_heads // tp, 1)
-    return [
-        ((heads // tp + 2 * kv_per_rank) * head_dim, hidden),  # qkv_proj
-        (hidden, heads // tp * head_dim),                      # o_proj
-        (2 * inter // tp, hidden),                             # gate_up_proj
-        (hidden, inter // tp),                                 # down_proj
-    ]
 
 
 def eval_field_type(cls: type, field_type: Any) -> Any:

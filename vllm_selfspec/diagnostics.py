@@ -16,7 +16,8 @@ models get the same one-token-per-request batch under a forward context without
 attention metadata (vLLM's profiling mode), so both run every projection, MLP,
 norm and the LM head, and both skip only the attention kernel itself, which at
 the short contexts of a decode step is a small share of the time.
-`selfspec_round_costs` returns what the engine itself timed: whole rounds,
+`selfspec_draft_output_rows` checks that every compiled draft runs any
+number of tokens. `selfspec_round_costs` returns what the engine itself timed: whole rounds,
 plain and drafted, everything a user waits for included.
 `selfspec_time_step_pieces` times the runner's parts of each step while
 serving (the forward, sampling, drafting, bookkeeping), for
@@ -267,6 +268,27 @@ class SelfSpecWorkerExtension:
     def selfspec_counters(self) -> dict:
         """Rounds (target forwards), draft steps and draft layers run so far."""
         return vars(self.model_runner.drafter.policy.counters).copy()
+
+    def selfspec_draft_output_rows(self, num_tokens: int) -> dict[str, int]:
+        """How many rows each of the drafter's drafts (the drafting one, and the
+        full-depth base where it has one) returns for `num_tokens` tokens, in
+        profiling mode: a compiled graph specialised to another count returns
+        that count's."""
+        drafter = self.model_runner.drafter
+        drafts = {"drafting": drafter.model, "base": drafter.base_draft}
+        input_ids, positions = _decode_inputs(num_tokens, drafter.device)
+        rows = {}
+        with torch.inference_mode():
+            for name, draft in drafts.items():
+                if draft is not None:
+                    hidden = []
+                    _in_profiling_mode(lambda d=draft: hidden.append(
+                        d(input_ids=input_ids, positions=positions)),
+                        self.model_runner.vllm_config,
+                        num_tokens)()
+                    output = hidden[0][0] if isinstance(hidden[0], tuple) else hidden[0]
+                    rows[name] = int(output.shape[0])
+        return rows
 
 
 def _ray_actor_id() -> str | None:

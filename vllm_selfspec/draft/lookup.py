@@ -25,40 +25,12 @@ from collections.abc import Iterator
 import numpy as np
 from vllm.logger import init_logger
 
+from vllm_selfspec.config import LOOKUP_DEFAULTS
+
 logger = init_logger(__name__)
 
 # Every this many requests started, the suffix cache logs its size.
 LOG_CACHE_EVERY = 256
-
-# A lookup draft is at most `max_tokens` long (and at most the method's
-# num_speculative_tokens): its tokens cost no draft step but each is verified.
-# Cost-aware drafting sizes each request's lookups by their record below that
-# cap (`RoundPolicy.lookup_lengths`): long in text that copies long spans,
-# short where a match's continuation soon parts from the target's
-# (docs/results/batch1.md); suffix trees size each draft themselves, from
-# how often a continuation followed the match, so their lookups run to the cap
-# wherever the record says some length pays. Without it every lookup may run
-# to the cap.
-# The suffix keys are vLLM's `suffix_decoding_*` defaults but for the cache of
-# past responses, kept smaller: each holds up to max_model_len tokens.
-LOOKUP_SOURCES = ("ngram", "suffix")
-LOOKUP_DEFAULTS = {"source": "ngram", "min_match": 2, "max_match": 8, "max_tokens": 12,
-                   "max_tree_depth": 24, "max_cached_requests": 1000,
-                   "max_spec_factor": 1.0, "min_token_prob": 0.1}
-LOOKUP_KEYS = {
-    "source": 'Where drafts are looked up: "ngram", vLLM\'s matcher over the request\'s '
-              'own tokens; "suffix", Arctic Inference\'s suffix trees over the request '
-              "and the engine's past responses (needs arctic-inference).",
-    "min_match": "ngram: the fewest of a request's last tokens that must have occurred before.",
-    "max_match": "ngram: the most of its last tokens matched (the longest match wins).",
-    "max_tokens": "The most tokens one lookup drafts.",
-    "max_tree_depth": "suffix: the most of a request's last tokens matched (the trees' depth).",
-    "max_cached_requests": "suffix: past responses kept for other requests to draft from, "
-                           "the oldest evicted first (0: none, only the request's own text).",
-    "max_spec_factor": "suffix: a draft is at most this many times the matched length.",
-    "min_token_prob": "suffix: the least estimated probability of a drafted token.",
-}
-
 
 def request_tokens(recorded: np.ndarray, step_tokens: list[int], first_row: int,
                    accepted: int, next_token: int) -> np.ndarray:

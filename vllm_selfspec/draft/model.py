@@ -147,6 +147,13 @@ def _run_plan(layers, norm, run_layer, plan: LayerPlan, hidden_states: torch.Ten
     return hidden_states
 
 
+# Part of every draft graph's cache key: raised whenever what a draft's first
+# compiled call traces changes, so that no graph traced by an earlier version
+# (before every draft's first call ran at the profiling size, a one-token graph
+# of the full-depth base) is ever loaded.
+GRAPH_CACHE_VERSION = 2
+
+
 def key_compile_cache(module: nn.Module, key: str) -> None:
     """vLLM's AOT compile cache (VLLM_USE_AOT_COMPILE, on by default) files a
     compiled graph under the config's hash and the forward's qualified name,
@@ -163,5 +170,5 @@ def key_compile_cache(module: nn.Module, key: str) -> None:
     named = types.FunctionType(function.__code__, function.__globals__, function.__name__,
                                function.__defaults__, function.__closure__)
     named.__kwdefaults__ = function.__kwdefaults__
-    named.__qualname__ = f"{function.__qualname__}[{key}]"
+    named.__qualname__ = f"{function.__qualname__}[{key}, v{GRAPH_CACHE_VERSION}]"
     module.forward = types.MethodType(named, module)

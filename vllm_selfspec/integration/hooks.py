@@ -4,17 +4,11 @@ from __future__ import annotations
 
 from typing import Any, get_args
 
-from vllm_selfspec.config import (
-    METHOD_MODULES,
-    SelfSpecConfig,
-    SelfSpecConfigError,
-    check_keys,
-    config_class_for,
-    method_module,
-)
+from vllm_selfspec.config import METHOD_MODULES, SelfSpecConfig, SelfSpecConfigError, check_keys
 from vllm_selfspec.draft.tokens import NO_DRAFT
 from vllm_selfspec.integration.frame_stack import with_frame_room
 from vllm_selfspec.integration.patches import original
+from vllm_selfspec.proposers import config_class_for, method_module
 
 
 def _vllm_methods() -> set[str]:

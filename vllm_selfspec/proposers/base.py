@@ -282,18 +282,25 @@ class SelfSpecProposer(DraftModelProposer):
 
     def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True,
                   is_graph_capturing: bool = False, slot_mappings=None) -> None:
-        """One draft forward at the profiling size, not one per speculative
-        token as vLLM's does: draft steps keep no activations and run the same
+        """One forward of each compiled draft (the drafting one and the
+        full-depth base) at the profiling size, not one per speculative token
+        as vLLM's does: draft steps keep no activations and run the same
         graphs, so more passes measure nothing new and cost minutes of CPU
-        start-up at 18-25 speculative tokens. The runner's flags pass through
-        unchanged (docs/gpu-runner-reading.md)."""
-        configured = self.num_speculative_tokens
+        start-up at 18-25 speculative tokens. A draft's first compiled call
+        must be this one: its graph is traced for any number of tokens here,
+        whereas a first call at one token specialises it to one (torch's 0/1
+        specialisation) and vLLM calls compiled graphs without guards, so
+        larger batches would run a one-token graph. The runner's flags pass
+        through unchanged (docs/gpu-runner-reading.md)."""
+        configured, drafting = self.num_speculative_tokens, self.model
         self.num_speculative_tokens = 1
         try:
-            super().dummy_run(num_tokens, use_cudagraphs, is_graph_capturing,
-                              slot_mappings=slot_mappings)
+            for draft in (drafting, *([] if self.base_draft is None else [self.base_draft])):
+                self.model = draft
+                super().dummy_run(num_tokens, use_cudagraphs, is_graph_capturing,
+                                  slot_mappings=slot_mappings)
         finally:
-            self.num_speculative_tokens = configured
+            self.num_speculative_tokens, self.model = configured, drafting
 
     def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
         """vLLM's; then, at the first call, the draft's costs are timed

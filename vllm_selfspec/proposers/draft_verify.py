@@ -13,11 +13,8 @@ from typing import Literal
 import torch
 from vllm.config.utils import config
 
-from vllm_selfspec.config import (
-    SelfSpecConfig,
-    SelfSpecConfigError,
-    check_layer_indices,
-)
+from vllm_selfspec.config import SelfSpecConfigError, check_layer_indices
+from vllm_selfspec.draft.choice import DraftChoiceConfig
 from vllm_selfspec.draft.model import LayerPlan
 from vllm_selfspec.policy.confidence_stop import (
     REFERENCE_MAX_DRAFTS,
@@ -28,7 +25,7 @@ from vllm_selfspec.proposers.base import SelfSpecProposer
 
 
 @config
-class DraftVerifyConfig(SelfSpecConfig):
+class DraftVerifyConfig(DraftChoiceConfig):
     method: Literal["draft_verify"] = "draft_verify"
     attn_skip: list[int] | None = None
     """Layers whose attention sub-block the draft skips."""

@@ -19,12 +19,8 @@ from vllm.config.utils import config
 from vllm.logger import init_logger
 
 from vllm_selfspec.assets import CONFIGS_DIR
-from vllm_selfspec.config import (
-    METHOD_MODULES,
-    SelfSpecConfig,
-    SelfSpecConfigError,
-    local_identity,
-)
+from vllm_selfspec.config import METHOD_MODULES, SelfSpecConfigError
+from vllm_selfspec.draft.choice import DraftChoiceConfig, local_identity
 from vllm_selfspec.draft.heads import (
     ExitDraft,
     ExitHeads,
@@ -43,7 +39,7 @@ NO_HEADS = "none"
 
 
 @config
-class EarlyExitConfig(SelfSpecConfig):
+class EarlyExitConfig(DraftChoiceConfig):
     heads: str | None = None
     """Trained exit heads: a directory with heads.json and heads.safetensors
     (a path, or a name under `vllm_selfspec/configs/heads/`), checked at

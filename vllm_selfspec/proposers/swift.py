@@ -60,7 +60,8 @@ from vllm.config.utils import config
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 
-from vllm_selfspec.config import SelfSpecConfig, SelfSpecConfigError
+from vllm_selfspec.config import SelfSpecConfigError
+from vllm_selfspec.draft.choice import DraftChoiceConfig
 from vllm_selfspec.draft.model import LayerPlan
 from vllm_selfspec.draft.tokens import top1_probability
 from vllm_selfspec.policy.payoff import StepCosts
@@ -116,7 +117,7 @@ def export_path(export_dir: str, task: str) -> Path:
 
 
 @config
-class SwiftConfig(SelfSpecConfig):
+class SwiftConfig(DraftChoiceConfig):
     method: Literal["swift"] = "swift"
     skip_ratio: float | None = None
     """r: the share of the 2(L-2) attention and MLP sub-blocks of layers
