@@ -296,9 +296,9 @@ def test_every_method_default_is_a_valid_config(model, model_dir, tiny_llama_dir
 @pytest.mark.parametrize("diagnostics", [False, True])
 def test_the_main_jobs_table_is_speed_acceptance_and_parity_in_one_sentence(diagnostics,
                                                                             monkeypatch):
-    """Seven columns and one sentence naming the fastest setting, its speed-up,
-    ngram's and how many outputs matched; the cost model's columns only with
-    --diagnostics."""
+    """Eight columns (the speed-up over plain and over ngram among them) and
+    one sentence naming the fastest setting, its speed-up, ngram's and how
+    many outputs matched; the cost model's columns only with --diagnostics."""
     plain, ngram, ours = (run_with("plain", [[100]]), run_with("ngram", [[120]]),
                           run_with("recommended", [[150]]))
     plain.texts, ngram.texts, ours.texts = ["a", "b"], ["a", "c"], ["a", "b"]
@@ -311,7 +311,9 @@ def test_the_main_jobs_table_is_speed_acceptance_and_parity_in_one_sentence(diag
     out = console.getvalue().splitlines()
     header = next(line for line in out if line.startswith("method"))
     assert ("S*" in header and "machine" in header) == diagnostics
-    assert header.split()[:7] == ["method", "tok/s", "speed-up", "spread", "accept", "acc",
-                                  "len"]
+    assert header.split()[:9] == ["method", "tok/s", "speed-up", "spread", "vs", "ngram",
+                                  "accept", "acc", "len"]
+    recommended = next(line for line in out if line.startswith("recommended "))
+    assert recommended.split()[2:5] == ["1.50x", "1.50-1.50", "1.25x"]
     assert out[-1] == ("recommended decodes 1.50x as fast as plain vLLM here (vLLM's ngram: "
                        "1.20x), its outputs identical to plain vLLM's in 2/2 prompts.")

@@ -175,16 +175,20 @@ def _round(value: float | None) -> float | None:
 
 
 def print_table(rows: list[dict], args, num_prompts: int) -> None:
-    """What a user reads: tokens/s, the speed-up over plain with its spread,
-    acceptance and whether outputs match plain's; with --diagnostics also the
-    machine probe, the cost model's c, F and S*, and how rounds drafted."""
+    """What a user reads: tokens/s, the speed-up over plain with its spread
+    and over vLLM's ngram (when it ran), acceptance and whether outputs match
+    plain's; with --diagnostics also the machine probe (and a warning per
+    start the machine drifted in), the cost model's c, F and S*, and how
+    rounds drafted."""
     print(f"\n{args.model} {args.dtype}: decode tokens/s at batch "
           f"{args.batch_size} ({num_prompts} prompts, {args.max_tokens} new tokens, "
           f"{args.repeats} repeats x {args.engine_starts} engine starts"
           f"{', interleaved' if args.interleave else ''}); CPU flags: "
           f"{' '.join(cpu_flags())}", file=CONSOLE)
-    header = ["method", "tok/s", "speed-up", "spread", "accept", "acc len", "identical"]
-    line = "{:<26}{:>7}{:>9}{:>12}{:>8}{:>9}{:>10}"
+    ngram = next((row["speedup"] for row in rows if row["method"] == "ngram"), None)
+    header = ["method", "tok/s", "speed-up", "spread", "vs ngram", "accept", "acc len",
+              "identical"]
+    line = "{:<26}{:>7}{:>9}{:>12}{:>9}{:>8}{:>9}{:>10}"
     if args.diagnostics:
         header += ["machine", "c", "F", "S*", "meas/S*", "rounds self/lookup/none %",
                    "mechanism % (acc) / base acc"]
@@ -192,7 +196,9 @@ def print_table(rows: list[dict], args, num_prompts: int) -> None:
     print(line.format(*header), file=CONSOLE)
     for row in rows:
         cells = [row["method"], row["tokens_per_s"], f"{row['speedup']:.2f}x",
-                 "{:.2f}-{:.2f}".format(*row["speedup_spread"]), _fmt(row["acceptance"]),
+                 "{:.2f}-{:.2f}".format(*row["speedup_spread"]),
+                 "-" if ngram is None else f"{row['speedup'] / ngram:.2f}x",
+                 _fmt(row["acceptance"]),
                  _fmt(row["mean_accepted_length"]), row["identical_to_plain"]]
         if args.diagnostics:
             machine = row.get("machine_vs_plain_starts")
@@ -206,8 +212,13 @@ def print_table(rows: list[dict], args, num_prompts: int) -> None:
     if "by_prompt_set" in rows[0]:
         print_prompt_sets(rows)
     print(reading(rows, args.dtype), file=CONSOLE)
-    for warning in machine_warnings(rows):
-        print(f"warning: {warning}", file=CONSOLE)
+    warnings = machine_warnings(rows)
+    if args.diagnostics:
+        for warning in warnings:
+            print(f"warning: {warning}", file=CONSOLE)
+    elif warnings:
+        print(f"(The machine's own speed moved by more than {MACHINE_TOLERANCE:.0%} during "
+              f"{len(warnings)} engine start(s); --diagnostics says which.)", file=CONSOLE)
 
 
 def _mechanism_cell(row: dict) -> str:
