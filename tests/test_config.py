@@ -53,15 +53,15 @@ def engine_config(model, speculative_config, **kwargs):
         ({"method": "draft_verify", "draft_vocab": "full", "draft_vocab_size": 100},
          r"speculative_config\.draft_vocab_size: draft_vocab 'full' keeps every token"),
         ({"method": "draft_verify", "lookup": {"max_tokens": 0}},
-         r"speculative_config\.lookup: max_tokens 0 must be >= 1"),
+         r"speculative_config\.lookup\.max_tokens: 0 must be >= 1; the default is 12\."),
         ({"method": "draft_verify", "lookup": {"min": 2}},
          r"speculative_config\.lookup: unknown key\(s\) \['min'\]"),
         ({"method": "draft_verify", "lookup": {"source": "trie"}},
          r"speculative_config\.lookup: source 'trie' is not one of \['ngram', 'suffix'\]"),
         ({"method": "draft_verify", "lookup": {"source": "suffix", "min_token_prob": 2}},
-         r"speculative_config\.lookup: min_token_prob 2 must be in \[0, 1\]"),
+         r"speculative_config\.lookup\.min_token_prob: 2 is outside \[0, 1\]"),
         ({"method": "draft_verify", "lookup": {"max_cached_requests": -1}},
-         r"speculative_config\.lookup: max_cached_requests -1 must be >= 0"),
+         r"speculative_config\.lookup\.max_cached_requests: -1 must be >= 0"),
     ],
 )
 def test_bad_config_fails_naming_the_field(model_dir, spec, message):
@@ -269,3 +269,27 @@ def test_the_settings_tables_are_written_from_the_config_classes():
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "settings_doc.py"),
                              "--check"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.engine_free
+@pytest.mark.parametrize("method", ["draft_verify", "swift", "del", "adadecode"])
+def test_each_setting_states_its_default_and_range_once(method):
+    """A field's `Option` is where its default and range live: each default
+    lies inside its range, a value past either bound fails naming the field,
+    and the defaults a config applies are exactly the Options' (the settings
+    tables are written from the same, `scripts/settings_doc.py`)."""
+    from vllm_selfspec.config import SelfSpecConfigError
+    from vllm_selfspec.proposers import config_class_for
+
+    cls = config_class_for(method)
+    options = cls.options()
+    assert {"probe_every", "cost_aware", "lookup"} <= set(options)  # common ones too
+    assert cls.default_values() == {name: option.default for name, option in options.items()
+                                    if option.default is not None}
+    for name, option in options.items():
+        option.check(name, option.default)
+        for bound, outside in ((option.ge, -1e-9), (option.gt, 0.0),
+                               (option.le, 1e-9), (option.lt, 0.0)):
+            if bound is not None:
+                with pytest.raises(SelfSpecConfigError, match=rf"speculative_config\.{name}: "):
+                    option.check(name, bound + outside)

@@ -208,7 +208,7 @@ def test_rpc_options_are_validated():
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("search_seed", -1, r"search_seed: -1 is outside \[0, 2\*\*32\)"),
+    ("search_seed", -1, r"search_seed: -1 is outside \[0, 4294967296\)"),
     ("search_seed", 2**32, r"search_seed: 4294967296 is outside"),
     ("bayes_kappa", -0.5, r"bayes_kappa: -0.5 must be >= 0")])
 def test_swift_search_numbers_are_checked_at_start_up(key, value, message):

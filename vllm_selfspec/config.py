@@ -20,7 +20,7 @@ import dataclasses
 import importlib
 import json
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, get_type_hints
 
 from pydantic import TypeAdapter, ValidationError
 from vllm.config import SpeculativeConfig
@@ -48,9 +48,6 @@ SUPPORTED_ARCHITECTURES = (
 # Keys every method takes (beside num_speculative_tokens and config_file).
 COMMON_FIELDS = ("draft_precision", "draft_vocab", "draft_vocab_size", "cost_aware",
                  "probe_every", "lookup", "full_depth")
-# Their defaults where a value says it (the others' docstrings say theirs).
-COMMON_DEFAULTS: dict[str, Any] = {"draft_precision": "auto", "cost_aware": True,
-                                   "probe_every": 16, "lookup": {}, "full_depth": True}
 DRAFT_PRECISIONS = ("auto", "target", "int8", "int4")
 # On a GPU, "auto" makes an int8 copy only where it takes at most this share
 # of the device's memory (the rest is the KV cache's).
@@ -68,10 +65,6 @@ GPU_COPY_SHARE = 0.10
 # to the cap.
 # The suffix keys are vLLM's `suffix_decoding_*` defaults but for the cache of
 # past responses, kept smaller: each holds up to max_model_len tokens.
-LOOKUP_SOURCES = ("ngram", "suffix")
-LOOKUP_DEFAULTS = {"source": "ngram", "min_match": 2, "max_match": 8, "max_tokens": 12,
-                   "max_tree_depth": 24, "max_cached_requests": 1000,
-                   "max_spec_factor": 1.0, "min_token_prob": 0.1}
 LOOKUP_KEYS = {
     "source": 'Where drafts are looked up: "ngram", vLLM\'s matcher over the request\'s '
               'own tokens; "suffix", Arctic Inference\'s suffix trees over the request '
@@ -91,8 +84,52 @@ class SelfSpecConfigError(ValueError):
     """A self-speculative config that cannot work; the message names the field."""
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Option:
+    """A setting's default and the range of values it takes, declared with its
+    field (`name: Annotated[type | None, Option(default, ge=...)] = None`):
+    the one place both are stated. The field itself defaults to None, which
+    means "not given", so that a config file fills only what the user left
+    unset; then the default applies and the value is checked."""
+
+    default: Any = None
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def check(self, name: str, value: Any) -> None:
+        """Raise, naming the field, if a number lies outside the range."""
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            return
+        low_ok = ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt))
+        high_ok = ((self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+        if low_ok and high_ok:
+            return
+        low = self.ge if self.gt is None else self.gt
+        high = self.le if self.lt is None else self.lt
+        if low is not None and high is not None:
+            bounds = (f"{'[' if self.gt is None else '('}{low}, {high}"
+                      f"{']' if self.lt is None else ')'}")
+            wrong = f"is outside {bounds}"
+        elif low is not None:
+            wrong = f"must be {'>=' if self.gt is None else '>'} {low}"
+        else:
+            wrong = f"must be {'<=' if self.lt is None else '<'} {high}"
+        default = "" if self.default is None else f"; the default is {self.default!r}"
+        raise SelfSpecConfigError(f"speculative_config.{name}: {value} {wrong}{default}.")
+
+
 def _field_names(cls: type) -> set[str]:
     return {field.name for field in dataclasses.fields(cls)}
+
+
+LOOKUP_SOURCES = ("ngram", "suffix")
+LOOKUP_OPTIONS = {"source": Option("ngram"), "min_match": Option(2, ge=1),
+                  "max_match": Option(8, ge=1), "max_tokens": Option(12, ge=1),
+                  "max_tree_depth": Option(24, ge=1), "max_cached_requests": Option(1000, ge=0),
+                  "max_spec_factor": Option(1.0, ge=0), "min_token_prob": Option(0.1, ge=0, le=1)}
+LOOKUP_DEFAULTS = {key: option.default for key, option in LOOKUP_OPTIONS.items()}
 
 
 @config
@@ -104,7 +141,7 @@ class SelfSpecConfig(SpeculativeConfig):
     `vllm_selfspec/configs/`), such as a searched skip set; keys given directly
     win over the file's. The file holds `num_hidden_layers`, checked against
     the target, and `methods.<method>.<key>`."""
-    draft_precision: str | None = None
+    draft_precision: Annotated[str | None, Option("auto")] = None
     """Weights the draft reads: "auto", "target" (the target's own), "int8" (a
     W8A8 copy) or "int4" (a W4A16 copy); verification always uses the
     target's own, so outputs stay the target's. "auto" is a low-precision copy
@@ -122,7 +159,7 @@ class SelfSpecConfig(SpeculativeConfig):
     Marlin/Machete on CUDA, PyTorch's int4 kernel where the build has
     neither; bf16/fp16 models; the draft head stays int8). Start-up logs the
     copy's size; under tensor parallelism each rank copies its own shard."""
-    draft_vocab: str | int | None = None
+    draft_vocab: Annotated[str | int | None, Option(ge=1)] = None
     """A draft LM head over a frequent-token subset: a vocabulary file (a
     path, or a name under `vllm_selfspec/configs/vocab/`), a size N (the top
     N tokens of the model's shipped file) or "full" (the whole vocabulary).
@@ -132,10 +169,10 @@ class SelfSpecConfig(SpeculativeConfig):
     exit heads (vocabulary size, final-norm hash); the shipped file is found
     by the model's weights, and start-up logs which was taken. Default: the
     model's shipped file, else "full"."""
-    draft_vocab_size: int | None = None
+    draft_vocab_size: Annotated[int | None, Option(ge=1)] = None
     """How many of the vocabulary file's ranked tokens to keep. Default: the
     file's recommended size."""
-    cost_aware: bool | None = None
+    cost_aware: Annotated[bool | None, Option(True)] = None
     """Draft only what pays, per request and round, by the costs the engine
     times and each request's own acceptance; false: draft every round as the
     method says. Each request drafts the number of tokens that maximises its
@@ -145,7 +182,7 @@ class SelfSpecConfig(SpeculativeConfig):
     drafts nothing, lookups included, but for a try spaced to cost at most
     1 % of decoding. Tensor-parallel ranks use rank 0's measurements. How it
     works: docs/design.md, cost-aware drafting."""
-    probe_every: int | None = None
+    probe_every: Annotated[int | None, Option(16, ge=1)] = None
     """The fewest engine rounds between probes, on which requests that stopped
     drafting draft one token together, so they start again when their text
     turns predictable. Dear probes are spaced further, so that probes that
@@ -157,7 +194,7 @@ class SelfSpecConfig(SpeculativeConfig):
     min(1, p/q), nearly their greedy acceptance at any temperature; greedy
     ones with p. Both keep the target distribution; seeded requests draw
     drafts from their seed and position; lookup drafts are one-hot."""
-    lookup: dict[str, int | float | str] | bool | None = None
+    lookup: Annotated[dict[str, int | float | str] | bool | None, Option({})] = None
     """Free drafts first, copied from text already seen: a dict sets its
     keys (below), {} or true keeps their defaults, false turns lookups off.
     With source "ngram", when a request's last `min_match` to `max_match`
@@ -170,7 +207,7 @@ class SelfSpecConfig(SpeculativeConfig):
     as the request's own lookups' acceptance makes worth verifying (suffix
     trees, which size each draft by how often its continuation followed the
     match, up to the cap wherever some length pays); without it, `max_tokens`."""
-    full_depth: bool | None = None
+    full_depth: Annotated[bool | None, Option(True)] = None
     """The full-depth draft over the same weights is the base a skip set or
     an early exit must beat: with cost_aware, a round drafts by the method's
     mechanism only where its measured acceptance and step cost beat the
@@ -184,7 +221,6 @@ class SelfSpecConfig(SpeculativeConfig):
 
     # Defaults a method module sets; None means "not given by the user".
     default_num_speculative_tokens: ClassVar[int] = 4
-    defaults: ClassVar[dict[str, Any]] = {}  # for fields the user and file left unset
 
     def __post_init__(self) -> None:
         self._merge_config_file()
@@ -202,16 +238,30 @@ class SelfSpecConfig(SpeculativeConfig):
         for name, value in self.default_values().items():
             if getattr(self, name) is None:
                 setattr(self, name, copy.copy(value))
+        self.check_ranges()
         self.validate_common_fields()
         self.validate_method_fields()
         if self.target_model_config is not None:
             self._validate_target()
 
     @classmethod
+    def options(cls) -> dict[str, Option]:
+        """Each field's `Option`: its default and range."""
+        return {name: next(meta for meta in hint.__metadata__ if isinstance(meta, Option))
+                for name, hint in get_type_hints(cls, include_extras=True).items()
+                if any(isinstance(meta, Option) for meta in getattr(hint, "__metadata__", ()))}
+
+    def check_ranges(self) -> None:
+        """Every field with a range (its `Option`) holds a value inside it."""
+        for name, option in self.options().items():
+            option.check(name, getattr(self, name))
+
+    @classmethod
     def default_values(cls) -> dict[str, Any]:
-        """The value each field the user and file left unset takes, where a
-        value says it: the common ones, then the method's."""
-        return {**COMMON_DEFAULTS, **cls.defaults}
+        """The value each field the user and file left unset takes, where an
+        `Option` states one."""
+        return {name: option.default for name, option in cls.options().items()
+                if option.default is not None}
 
     @classmethod
     def own_fields(cls) -> tuple[str, ...]:
@@ -342,9 +392,6 @@ class SelfSpecConfig(SpeculativeConfig):
     def validate_common_fields(self) -> None:
         if self.lookup is True:
             self.lookup = {}
-        if self.probe_every < 1:
-            raise SelfSpecConfigError(
-                f"speculative_config.probe_every: {self.probe_every} must be >= 1.")
         self._validate_lookup()
         if self.draft_precision not in DRAFT_PRECISIONS:
             raise SelfSpecConfigError(
@@ -356,10 +403,6 @@ class SelfSpecConfig(SpeculativeConfig):
                     "speculative_config.draft_vocab_size: draft_vocab already gives the "
                     "size; set one of them.")
             self.draft_vocab_size = self.draft_vocab
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            raise SelfSpecConfigError(
-                f"speculative_config.draft_vocab_size: {self.draft_vocab_size} must be "
-                ">= 1.")
         if self.draft_vocab_size is not None and self.draft_vocab == "full":
             raise SelfSpecConfigError(
                 "speculative_config.draft_vocab_size: draft_vocab 'full' keeps every "
@@ -387,19 +430,12 @@ class SelfSpecConfig(SpeculativeConfig):
                     "speculative_config.lookup: source 'suffix' needs Arctic Inference's "
                     "suffix trees; install arctic-inference==0.3.0 (bash scripts/setup.sh "
                     "builds it) or use source 'ngram'.") from None
-        if not 1 <= lookup["min_match"] <= lookup["max_match"]:
+        for key, option in LOOKUP_OPTIONS.items():
+            option.check(f"lookup.{key}", lookup[key])
+        if lookup["min_match"] > lookup["max_match"]:
             raise SelfSpecConfigError(
                 f"speculative_config.lookup: min_match {lookup['min_match']} and "
-                f"max_match {lookup['max_match']} need 1 <= min_match <= max_match.")
-        for key, least in (("max_tokens", 1), ("max_tree_depth", 1),
-                           ("max_cached_requests", 0), ("max_spec_factor", 0)):
-            if lookup[key] < least:
-                raise SelfSpecConfigError(
-                    f"speculative_config.lookup: {key} {lookup[key]} must be >= {least}.")
-        if not 0 <= lookup["min_token_prob"] <= 1:
-            raise SelfSpecConfigError(
-                f"speculative_config.lookup: min_token_prob {lookup['min_token_prob']} "
-                "must be in [0, 1].")
+                f"max_match {lookup['max_match']} need min_match <= max_match.")
 
 
 def eval_field_type(cls: type, field_type: Any) -> Any:

@@ -436,7 +436,8 @@ def set_option(options, name: str, value) -> None:
     previous = getattr(options, name)
     setattr(options, name, value)
     try:
-        options.validate_common_fields()  # the start-up checks, every one
+        options.check_ranges()  # the start-up checks, every one
+        options.validate_common_fields()
         options.validate_method_fields()
         if options.target_model_config is not None:
             options.validate_for_model(options.target_model_config.hf_config.num_hidden_layers)

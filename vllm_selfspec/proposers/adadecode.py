@@ -42,12 +42,12 @@ distribution at any temperature (the paper's min(1, p*/p_i) rule).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from vllm.config.utils import config
 
-from vllm_selfspec.config import SelfSpecConfigError
+from vllm_selfspec.config import Option
 from vllm_selfspec.draft.tokens import top1_probability
 from vllm_selfspec.policy.confidence_stop import (
     REFERENCE_MAX_DRAFTS,
@@ -70,28 +70,19 @@ class AdaDecodeConfig(EarlyExitConfig):
     the heads shipped for this model, found by its weights
     (`<model>-adadecode` before `<model>`); where none are shipped, start-up
     fails naming the command that trains them."""
-    threshold: float | None = None
+    threshold: Annotated[float | None, Option(0.75, ge=0)] = None
     """A token is emitted at the first head whose top-1 probability exceeds
     this; above 1 nothing exits early (every draft is full depth, or with
     full_depth false there is none: plain decoding)."""
-    max_early: int | None = None
+    max_early: Annotated[int | None, Option(5, ge=1)] = None
     """The most early predictions outstanding: a round's drafts made by exit
     heads (with full_depth false every draft is, so it bounds the round's
     length)."""
 
     default_num_speculative_tokens = REFERENCE_MAX_DRAFTS
-    defaults = {"threshold": 0.75, "max_early": 5}
 
     def validate_method_fields(self) -> None:
         self.validate_heads_field()
-        if self.threshold < 0:
-            raise SelfSpecConfigError(
-                f"speculative_config.threshold: {self.threshold} is negative; give a "
-                "probability such as 0.75 (above 1 disables early exits)."
-            )
-        if self.max_early < 1:
-            raise SelfSpecConfigError(
-                f"speculative_config.max_early: {self.max_early} must be >= 1.")
 
     def validate_for_model(self, num_layers: int) -> None:
         super().validate_for_model(num_layers)

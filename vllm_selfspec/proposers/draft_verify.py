@@ -7,13 +7,12 @@ keeps the request's smoothed acceptance rate at `target_acceptance`.
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from vllm.config.utils import config
 
-from vllm_selfspec.config import SelfSpecConfigError, check_layer_indices
+from vllm_selfspec.config import Option, SelfSpecConfigError, check_layer_indices
 from vllm_selfspec.draft.choice import DraftChoiceConfig
 from vllm_selfspec.draft.model import LayerPlan
 from vllm_selfspec.policy.confidence_stop import (
@@ -27,41 +26,30 @@ from vllm_selfspec.proposers.base import SelfSpecProposer
 @config
 class DraftVerifyConfig(DraftChoiceConfig):
     method: Literal["draft_verify"] = "draft_verify"
-    attn_skip: list[int] | None = None
+    attn_skip: Annotated[list[int] | None, Option([])] = None
     """Layers whose attention sub-block the draft skips."""
-    mlp_skip: list[int] | None = None
+    mlp_skip: Annotated[list[int] | None, Option([])] = None
     """Layers whose MLP sub-block the draft skips."""
-    threshold: float | None = None
+    threshold: Annotated[float | None, Option(REFERENCE_RULE.threshold, ge=0, le=1)] = None
     """The initial draft-exit threshold gamma_0: a request stops drafting
     after a token whose top-1 probability is below gamma."""
-    adaptive_threshold: bool | None = None
+    adaptive_threshold: Annotated[bool | None, Option(REFERENCE_RULE.adaptive_threshold)] = None
     """Adapt gamma per request after every verification, toward
     target_acceptance."""
-    target_acceptance: float | None = None
+    target_acceptance: Annotated[
+        float | None, Option(REFERENCE_RULE.target_acceptance, ge=0, le=1)] = None
     """alpha, the acceptance rate the adaptive threshold steers toward."""
-    threshold_step: float | None = None
+    threshold_step: Annotated[
+        float | None, Option(REFERENCE_RULE.threshold_step, ge=0, le=1)] = None
     """epsilon, the step of the threshold update."""
-    acceptance_smoothing: float | None = None
+    acceptance_smoothing: Annotated[
+        float | None, Option(REFERENCE_RULE.acceptance_smoothing, ge=0, le=1)] = None
     """beta_1, the smoothing of the acceptance rate."""
-    threshold_smoothing: float | None = None
+    threshold_smoothing: Annotated[
+        float | None, Option(REFERENCE_RULE.threshold_smoothing, ge=0, le=1)] = None
     """beta_2, the smoothing of the threshold."""
 
     default_num_speculative_tokens = REFERENCE_MAX_DRAFTS
-    defaults = {"attn_skip": [], "mlp_skip": [], **asdict(REFERENCE_RULE)}
-
-    def validate_method_fields(self) -> None:
-        for name in ("threshold", "target_acceptance", "acceptance_smoothing",
-                     "threshold_smoothing"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise SelfSpecConfigError(
-                    f"speculative_config.{name}: {getattr(self, name)} is outside "
-                    "[0, 1]; give a probability."
-                )
-        if not 0.0 <= self.threshold_step <= 1.0:
-            raise SelfSpecConfigError(
-                f"speculative_config.threshold_step: {self.threshold_step} is outside "
-                "[0, 1]; the reference uses 0.01."
-            )
 
     def validate_for_model(self, num_layers: int) -> None:
         check_layer_indices("attn_skip", self.attn_skip, num_layers)

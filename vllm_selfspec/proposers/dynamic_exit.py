@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
 from vllm.config.utils import config
 
-from vllm_selfspec.config import SelfSpecConfigError
+from vllm_selfspec.config import Option, SelfSpecConfigError
 from vllm_selfspec.draft.tokens import top1, top1_probability
 from vllm_selfspec.policy.exit_stats import ExitChoice, ExitStats
 from vllm_selfspec.proposers.base import DraftStep, VerifiedTokens
@@ -73,18 +73,18 @@ class DelConfig(EarlyExitConfig):
     """Candidate exit layers (an exit after E layers); each adds one LM-head
     pass over a round's valid positions. Default: all of the heads' exits, or
     with heads "none" every exit_layer_stride-th layer 1..L-1."""
-    exit_layer_stride: int | None = None
+    exit_layer_stride: Annotated[int | None, Option(ge=1)] = None
     """Without heads: candidate exits every n-th layer, 1..L-1 (bounds the
     shadow-token cost). Default: 1, every layer."""
-    decay: float | None = None
+    decay: Annotated[float | None, Option(0.95, gt=0, le=1)] = None
     """omega, the per-round decay of the statistics."""
-    max_draft: int | None = None
+    max_draft: Annotated[int | None, Option(ge=1)] = None
     """d_max, the most drafts per round: num_speculative_tokens, under the
     paper's name. Default: num_speculative_tokens's."""
-    stat_positions: int | None = None
+    stat_positions: Annotated[int | None, Option(32, ge=1)] = None
     """Positions per forward that feed the statistics (at prefill, the last
     this-many prompt positions)."""
-    step_overhead: float | None = None
+    step_overhead: Annotated[float | None, Option(ge=0)] = None
     """o, a forward's fixed cost (LM head, sampling, engine) in decoder layers,
     added to every draft step and to the verification in TPL's cost:
     TPL(E, d) = sum a^i / (d(E+o) + L + o); 0 is the paper's layer count.
@@ -101,7 +101,6 @@ class DelConfig(EarlyExitConfig):
 
     heads_required = False
     default_num_speculative_tokens = 18
-    defaults = {"decay": 0.95, "stat_positions": 32}
 
     def validate_method_fields(self) -> None:
         self.validate_heads_field()
@@ -110,23 +109,11 @@ class DelConfig(EarlyExitConfig):
             raise SelfSpecConfigError(
                 "speculative_config.exit_layer_stride: applies only without heads and "
                 "exit_layers; remove it or list the exits in exit_layers.")
-        if not 0.0 < self.decay <= 1.0:
-            raise SelfSpecConfigError(
-                f"speculative_config.decay: {self.decay} is outside (0, 1]; DEL uses 0.95.")
         if self.max_draft is not None:
             self.num_speculative_tokens = self.max_draft
         self.max_draft = self.num_speculative_tokens
         if self.step_overhead is not None:  # None: measured by the engine
             self.step_overhead = float(self.step_overhead)
-            if self.step_overhead < 0:
-                raise SelfSpecConfigError(
-                    f"speculative_config.step_overhead: {self.step_overhead} must be >= 0 "
-                    "(decoder layers' worth of fixed cost per forward).")
-        for name in ("max_draft", "stat_positions", "exit_layer_stride"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise SelfSpecConfigError(
-                    f"speculative_config.{name}: {value} must be >= 1.")
         if self.draft_length is not None and not 1 <= self.draft_length <= self.max_draft:
             raise SelfSpecConfigError(
                 f"speculative_config.draft_length: {self.draft_length} must be in "

@@ -52,7 +52,7 @@ import json
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from torch import nn
@@ -60,7 +60,7 @@ from vllm.config.utils import config
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 
-from vllm_selfspec.config import SelfSpecConfigError
+from vllm_selfspec.config import Option, SelfSpecConfigError
 from vllm_selfspec.draft.choice import DraftChoiceConfig
 from vllm_selfspec.draft.model import LayerPlan
 from vllm_selfspec.draft.tokens import top1_probability
@@ -119,80 +119,53 @@ def export_path(export_dir: str, task: str) -> Path:
 @config
 class SwiftConfig(DraftChoiceConfig):
     method: Literal["swift"] = "swift"
-    skip_ratio: float | None = None
+    skip_ratio: Annotated[float | None, Option(0.45, ge=0, le=1)] = None
     """r: the share of the 2(L-2) attention and MLP sub-blocks of layers
     1..L-2 a skip set skips (the first and last layers always run)."""
-    context_window: int | None = None
+    context_window: Annotated[int | None, Option(32, ge=1)] = None
     """W: a task's search starts when one of its requests has generated W+1
     tokens; candidates are scored on that request's first W+1 generated
     tokens."""
-    optimise_every: int | None = None
+    optimise_every: Annotated[int | None, Option(1, ge=1)] = None
     """Engine steps per optimisation step (one candidate scored per step)."""
-    bayes_interval: int | None = None
+    bayes_interval: Annotated[int | None, Option(25, ge=0)] = None
     """Every n-th candidate comes from Bayesian optimisation (GP, UCB), the
     rest are uniform random sets; 0: random only."""
-    bayes_kappa: float | None = None
+    bayes_kappa: Annotated[float | None, Option(2.5, ge=0)] = None
     """kappa, UCB's exploration weight."""
-    stop_matchness: float | None = None
+    stop_matchness: Annotated[float | None, Option(0.95, ge=0, le=1)] = None
     """A task's search ends when its best set's matchness exceeds this..."""
-    max_tolerance: int | None = None
+    max_tolerance: Annotated[int | None, Option(300, ge=1)] = None
     """...or after this many candidates in a row without improvement..."""
-    max_iterations: int | None = None
+    max_iterations: Annotated[int | None, Option(1000, ge=1)] = None
     """...or after this many candidates."""
-    confidence: float | None = None
+    confidence: Annotated[float | None, Option(0.8, ge=0, le=1)] = None
     """Stop drafting after a token whose top-1 probability is below this."""
-    search_seed: int | None = None
+    search_seed: Annotated[int | None, Option(0, ge=0, lt=2**32)] = None
     """The seed of the candidate generator."""
     export_dir: str | None = None
     """When a task's search ends, write its set to `<export_dir>/<task>.json`,
     a config file `draft_verify` reads (`"config_file":
     "<export_dir>/code.json"`). Default: not written."""
-    max_tasks: int | None = None
+    max_tasks: Annotated[int | None, Option(8, ge=1)] = None
     """The most task searches held at once, "default" included; a new key
     beyond that takes the least recently used idle task's slot."""
-    search_share: float | None = None
+    search_share: Annotated[float | None, Option(0.02, gt=0, le=1)] = None
     """With cost_aware, at most this share of decoding goes to scoring
     candidates: each step's measured cost (in plain steps) spaces the next.
     The search also scores only where a set matching stop_matchness of the
     tokens would draft at a profit at the engine's measured costs, and ends
     once no set could beat its best by 5 %. cost_aware false is the paper's
     schedule, a step every optimise_every."""
-    compile_learned_set: bool | None = None
+    compile_learned_set: Annotated[bool | None, Option(True)] = None
     """In a compiled engine (not enforce_eager), compile a task's set when its
     search ends, once per task, while requests wait
     (`scripts/lab/swift_compile.py` times it); false: the set drafts
     uncompiled."""
 
     default_num_speculative_tokens = 25
-    defaults = {"skip_ratio": 0.45, "context_window": 32, "optimise_every": 1,
-                "bayes_interval": 25, "bayes_kappa": 2.5, "stop_matchness": 0.95,
-                "max_tolerance": 300, "max_iterations": 1000, "confidence": 0.8,
-                "search_seed": 0, "max_tasks": 8, "search_share": 0.02,
-                "compile_learned_set": True}
 
     def validate_method_fields(self) -> None:
-        for name in ("skip_ratio", "stop_matchness", "confidence"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise SelfSpecConfigError(
-                    f"speculative_config.{name}: {getattr(self, name)} is outside [0, 1]; "
-                    f"SWIFT's default is {self.defaults[name]}.")
-        for name in ("context_window", "optimise_every", "max_tolerance", "max_iterations",
-                     "max_tasks"):
-            if getattr(self, name) < 1:
-                raise SelfSpecConfigError(
-                    f"speculative_config.{name}: {getattr(self, name)} must be >= 1.")
-        if not 0.0 < self.search_share <= 1.0:
-            raise SelfSpecConfigError(
-                f"speculative_config.search_share: {self.search_share} is outside (0, 1]; "
-                f"SWIFT's default is {self.defaults['search_share']}.")
-        if not 0 <= self.search_seed < 2**32:
-            raise SelfSpecConfigError(
-                f"speculative_config.search_seed: {self.search_seed} is outside [0, 2**32); "
-                "give a seed in that range.")
-        if self.bayes_kappa < 0:
-            raise SelfSpecConfigError(
-                f"speculative_config.bayes_kappa: {self.bayes_kappa} must be >= 0 (the "
-                f"upper-confidence bound's weight; default {self.defaults['bayes_kappa']}).")
         if self.bayes_interval > 0 and importlib.util.find_spec("bayes_opt") is None:
             raise SelfSpecConfigError(
                 "speculative_config.bayes_interval: SWIFT's Bayesian search needs the "
@@ -200,10 +173,6 @@ class SwiftConfig(DraftChoiceConfig):
                 "or set bayes_interval to 0 (random candidates only).")
         if self.export_dir is not None:
             _check_writable(self.export_dir)
-        if self.bayes_interval < 0:
-            raise SelfSpecConfigError(
-                f"speculative_config.bayes_interval: {self.bayes_interval} must be >= 0 "
-                "(0: random candidates only).")
 
     def validate_for_model(self, num_layers: int) -> None:
         if num_layers < 3 or skip_count(num_layers, self.skip_ratio) < 1:
