@@ -282,8 +282,8 @@ class SelfSpecProposer(DraftModelProposer):
 
     def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True,
                   is_graph_capturing: bool = False, slot_mappings=None) -> None:
-        """One forward of each compiled draft (the drafting one and the
-        full-depth base) at the profiling size, not one per speculative token
+        """One forward of the drafting draft and, where it is compiled, of the
+        full-depth base, at the profiling size, not one per speculative token
         as vLLM's does: draft steps keep no activations and run the same
         graphs, so more passes measure nothing new and cost minutes of CPU
         start-up at 18-25 speculative tokens. A draft's first compiled call
@@ -295,7 +295,9 @@ class SelfSpecProposer(DraftModelProposer):
         configured, drafting = self.num_speculative_tokens, self.model
         self.num_speculative_tokens = 1
         try:
-            for draft in (drafting, *([] if self.base_draft is None else [self.base_draft])):
+            compiled_base = (self.base_draft is not None
+                             and not getattr(self.base_draft, "do_not_compile", True))
+            for draft in (drafting, *([self.base_draft] if compiled_base else [])):
                 self.model = draft
                 super().dummy_run(num_tokens, use_cudagraphs, is_graph_capturing,
                                   slot_mappings=slot_mappings)
