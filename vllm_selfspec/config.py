@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib
 import json
 from pathlib import Path
@@ -245,11 +246,15 @@ class SelfSpecConfig(SpeculativeConfig):
             self._validate_target()
 
     @classmethod
+    @functools.cache
     def options(cls) -> dict[str, Option]:
-        """Each field's `Option`: its default and range."""
-        return {name: next(meta for meta in hint.__metadata__ if isinstance(meta, Option))
-                for name, hint in get_type_hints(cls, include_extras=True).items()
-                if any(isinstance(meta, Option) for meta in getattr(hint, "__metadata__", ()))}
+        """Each field's `Option`: its default and range (read once per class)."""
+        found = {}
+        for name, hint in get_type_hints(cls, include_extras=True).items():
+            for meta in getattr(hint, "__metadata__", ()):
+                if isinstance(meta, Option):
+                    found[name] = meta
+        return found
 
     def check_ranges(self) -> None:
         """Every field with a range (its `Option`) holds a value inside it."""

@@ -280,8 +280,11 @@ class RoundPolicy:
             req_ids, lookup_costs, max_tokens, MIN_GAIN, probe, self.counters.rounds)
         if not source_sets_length:
             return budgets
-        return [max_tokens if best_budget(acceptance, lookup_costs, max_tokens, MIN_GAIN)
-                else budget for budget, acceptance in zip(budgets, acceptances)]
+        # Off a probe round a budget pays exactly when it is above 0; on one, a
+        # budget of 1 may be the probe's alone, so only there is it asked again.
+        return [max_tokens if budget and (not probe or best_budget(
+                    acceptance, lookup_costs, max_tokens, MIN_GAIN)) else budget
+                for budget, acceptance in zip(budgets, acceptances)]
 
     def note_lookups(self, req_ids: list[str], looked_up: list[str]) -> None:
         """Which of this round's requests drafted by lookup. A request vLLM
