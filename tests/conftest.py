@@ -325,17 +325,21 @@ def assert_greedy_parity_with_rejections(llm, plain_outputs, test_prompts,
     assert 0 < acceptance.accepted < acceptance.drafted
 
 
-def gated_run(spec: dict, test_prompts) -> tuple[list[str], int, int, dict | None]:
+def gated_run(spec: dict, test_prompts, passes: int = 3
+              ) -> tuple[list[list[str]], int, int, dict | None]:
     """`spec` cost-aware over an int8 copy in its own engine, the batch-1 parity
-    prompts greedy: the outputs, the self-drafts the full-depth base and the
-    method's mechanism made, and the mechanism gate's report."""
+    prompts greedy `passes` times (one pass drafts in a few dozen rounds, too
+    few for the gate's trials): each pass's outputs, the self-drafts the
+    full-depth base and the method's mechanism made, and the mechanism gate's
+    report."""
     from vllm_selfspec.diagnostics import WORKER_EXTENSION
 
     llm = start_engine({**spec, "cost_aware": True, "draft_precision": "int8"},
                        worker_extension_cls=WORKER_EXTENSION)
     try:
         acceptance = Acceptance()
-        outputs = greedy(llm, prompts_at(test_prompts, 1), 1, acceptance=acceptance)
+        outputs = [greedy(llm, prompts_at(test_prompts, 1), 1, acceptance=acceptance)
+                   for _ in range(passes)]
         (gate,) = llm.collective_rpc("selfspec_mechanism_gate")
     finally:
         stop_engine(llm)

@@ -63,6 +63,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -407,17 +408,27 @@ class RoundClock:
 
 
 # A drafted round's cost at each draft count is the mean of its rounds' extra
-# without their slowest tenth: the mean, because what a round costs can vary
-# from round to round (an early exit's depth: AdaDecode's one-draft rounds
-# cost one, two or three times their median, depending on where they exited)
-# and throughput pays the mean; the slowest tenth dropped keeps a pause of the
-# machine out of it.
+# without their slowest tenth (`without_pauses`): the mean, because what a
+# round costs can vary from round to round (an early exit's depth: AdaDecode's
+# one-draft rounds cost one, two or three times their median, depending on
+# where they exited) and throughput pays the mean; the slowest tenth dropped
+# keeps a pause of the machine out of it.
 SLOWEST_DROPPED = 0.1
 
 
+def without_pauses(values: list, key: Callable[[Any], float] = float) -> list:
+    """`values` without the slowest tenth by `key`, and without the slowest one
+    once there are three: a pause of the machine (a descheduled worker, the
+    first run of a shape) in the first few rounds timed would otherwise set
+    drafting's cost for good, because costs that say drafting loses stop the
+    rounds that would time it again (an underestimate is timed away by the
+    drafting it lets run)."""
+    dropped = max(int(len(values) * SLOWEST_DROPPED), 1 if len(values) >= 3 else 0)
+    return sorted(values, key=key)[:len(values) - dropped]
+
+
 def mean_without_slowest(values: list[float]) -> float:
-    kept = sorted(values)[:len(values) - int(len(values) * SLOWEST_DROPPED)]
-    return float(np.mean(kept))
+    return float(np.mean(without_pauses(values)))
 
 
 def _centres(counts: list[int], extra: list[float],
@@ -483,44 +494,44 @@ class GoodputGate:
     loses. Each timed round that verified drafts is scored by what throughput
     pays: its tokens (each request's sampled token plus its accepted drafts)
     per second of the round, over a plain round's at its batch size. A
-    bucket's score is the ratio of running sums of those tokens (in plain
-    rounds' worth) and of those seconds, a round weighing `weight` of it
-    (all rounds alike until there are 1 / weight of them). A bucket scored
-    over `min_rounds` rounds below 1 + `margin` is closed (drafting there must
-    beat plain by the margin budgets ask for, so a bucket near 1 does not
-    flip between drafting at a loss and not): its rounds draft nothing,
-    except one in `reopen_interval` rounds, which drafts as decided and is
-    scored too, so a bucket whose drafting turns profitable (texts, load)
-    reopens."""
+    bucket's score is the sum of its last `window` rounds' tokens (in plain
+    rounds' worth) over the sum of their seconds, without the slowest tenth
+    of them by seconds per token (`without_pauses`: the plain rounds it is
+    compared with are medians, so one pause of the machine must not count
+    against drafting either). A bucket scored over `min_rounds` rounds below
+    1 + `margin` is closed (drafting there must beat plain by the margin
+    budgets ask for, so a bucket near 1 does not flip between drafting at a
+    loss and not): its rounds draft nothing, except one in `reopen_interval`
+    rounds, which drafts as decided and is scored too, so a bucket whose
+    drafting turns profitable (texts, load) reopens."""
 
-    weight: float = 0.25
+    window: int = 8
     min_rounds: int = 4
     margin: float = 0.05
-    tokens: dict[int, float] = field(default_factory=dict)  # in plain rounds' worth
-    seconds: dict[int, float] = field(default_factory=dict)
-    rounds: dict[int, int] = field(default_factory=dict)
+    # Per bucket, the last rounds' (tokens in plain rounds' worth, seconds).
+    scored: dict[int, deque[tuple[float, float]]] = field(default_factory=dict)
 
     def record(self, batch_size: int, tokens: int, seconds: float,
                plain_seconds: float) -> None:
         """A round of `batch_size` requests that yielded `tokens` in `seconds`,
         where a plain round of that batch takes `plain_seconds`."""
-        bucket = batch_bucket(batch_size)
-        count = self.rounds.get(bucket, 0) + 1
-        weight = max(self.weight, 1.0 / count)
-        worth = tokens / batch_size * plain_seconds
-        self.tokens[bucket] = (1 - weight) * self.tokens.get(bucket, 0.0) + weight * worth
-        self.seconds[bucket] = (1 - weight) * self.seconds.get(bucket, 0.0) + weight * seconds
-        self.rounds[bucket] = count
+        rounds = self.scored.setdefault(batch_bucket(batch_size), deque(maxlen=self.window))
+        rounds.append((tokens / batch_size * plain_seconds, seconds))
 
     def ratios(self) -> dict[int, float]:
         """Each scored bucket's drafting rounds' throughput over plain's."""
-        return {bucket: self.tokens[bucket] / self.seconds[bucket] for bucket in self.rounds
-                if self.seconds[bucket] > 0}
+        ratios = {}
+        for bucket, rounds in self.scored.items():
+            kept = without_pauses(list(rounds), key=lambda r: r[1] / max(r[0], 1e-12))
+            seconds = sum(s for _, s in kept)
+            if seconds > 0:
+                ratios[bucket] = sum(worth for worth, _ in kept) / seconds
+        return ratios
 
     def closed(self) -> dict[int, float]:
         """The buckets whose drafting does not pay, with their ratio."""
         return {bucket: ratio for bucket, ratio in self.ratios().items()
-                if ratio < 1.0 + self.margin and self.rounds[bucket] >= self.min_rounds}
+                if ratio < 1.0 + self.margin and len(self.scored[bucket]) >= self.min_rounds}
 
 
 def reopen_interval(ratio: float, least: int, max_share: float) -> int:
