@@ -8,7 +8,11 @@ merge order, roughly frequency). Coverage, the share of generated tokens
 inside the top N, is measured on held-out prompts the ranking never saw; the
 recommended size is the smallest power of two covering `--target-coverage`.
 
-    python scripts/build_draft_vocab.py --model smollm2-135m   # vllm_selfspec/configs/vocab/smollm2-135m.json
+Writes runs/vocab/<model>.json (give its path as `draft_vocab`); `--install`
+also puts it among the shipped vocabularies, where a method finds it by the
+model's weights.
+
+    python scripts/build_draft_vocab.py --model smollm2-135m   # runs/vocab/smollm2-135m.json
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import sys
 from pathlib import Path
 
 from vllm_selfspec import prompts as prompt_sets
-from vllm_selfspec.assets import ROOT, fast_dtype
+from vllm_selfspec.assets import RESULTS_DIR, ROOT, fast_dtype
 from vllm_selfspec.draft.heads import local_final_norm, model_identity
 from vllm_selfspec.draft.vocab import save_vocab, vocab_dir
 
@@ -74,7 +78,10 @@ def main() -> None:
     parser.add_argument("--gsm", type=int, default=40, help="GSM-style prompts per set")
     parser.add_argument("--target-coverage", type=float, default=0.99)
     parser.add_argument("--dtype", default=fast_dtype())
-    parser.add_argument("--out", type=Path, help="default: vllm_selfspec/configs/vocab/<model>.json")
+    parser.add_argument("--out", type=Path, help="default: runs/vocab/<model>.json")
+    parser.add_argument("--install", action="store_true",
+                        help="also write it to vllm_selfspec/configs/vocab/<model>.json, "
+                             "where methods find it by the model's weights")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from transformers import AutoConfig, AutoTokenizer
@@ -92,18 +99,19 @@ def main() -> None:
     table = {size: round(coverage(ranked, held_out_generated, size), 4)
              for size in SIZES if size <= len(ranked)}
     size = next((s for s, c in table.items() if c >= args.target_coverage), max(table))
-    out = args.out or vocab_dir() / f"{args.model}.json"
+    out = args.out or RESULTS_DIR / "vocab" / f"{args.model}.json"
     identity = model_identity(hf_config, local_final_norm(str(model_dir)))
     command = "python scripts/build_draft_vocab.py " + " ".join(sys.argv[1:])
-    save_vocab(out, args.model, identity, ranked, size,
-               held_out_coverage=table, coverage_at_size=table[size],
-               distinct_generated=len(set(t for s in generated for t in s)),
-               calibration={"prompts": len(calibration), "tokens": sum(map(len, generated)),
-                            "sets": {k: str(v) for k, v in CALIBRATION.items()}},
-               held_out={"prompts": len(held_out),
-                         "tokens": sum(map(len, held_out_generated)),
-                         "sets": {k: str(v) for k, v in HELD_OUT.items()}},
-               dtype=args.dtype, how_made=command.strip())
+    for path in [out] + ([vocab_dir() / f"{args.model}.json"] if args.install else []):
+        save_vocab(path, args.model, identity, ranked, size,
+                   held_out_coverage=table, coverage_at_size=table[size],
+                   distinct_generated=len(set(t for s in generated for t in s)),
+                   calibration={"prompts": len(calibration), "tokens": sum(map(len, generated)),
+                                "sets": {k: str(v) for k, v in CALIBRATION.items()}},
+                   held_out={"prompts": len(held_out),
+                             "tokens": sum(map(len, held_out_generated)),
+                             "sets": {k: str(v) for k, v in HELD_OUT.items()}},
+                   dtype=args.dtype, how_made=command.strip())
     print(f"{out}: size {size} of {hf_config.vocab_size}; held-out coverage {table}")
 
 

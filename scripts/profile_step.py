@@ -10,7 +10,7 @@ left (the engine core's scheduling and output handling, and the messages
 between the engine core and the worker) is the step minus the runner's
 pieces. Declined rounds show up as the difference to plain that the drafter
 and its glue cost while drafting nothing. With `--passes N` each engine
-decodes the prompts N times and each pass's speed is shown: on these VMs
+decodes the prompts N times and each pass's speed is shown: on these machines
 some engines start with a slower forward than others' and speed up over
 minutes (docs/results/kernels-and-machine.md), which a one-pass comparison
 mistakes for a method's cost.

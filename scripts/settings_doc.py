@@ -23,8 +23,7 @@ from vllm.config.utils import get_attr_docs
 from vllm_selfspec.assets import ROOT
 from vllm_selfspec.config import (
     COMMON_FIELDS,
-    LOOKUP_DEFAULTS,
-    LOOKUP_KEYS,
+    LOOKUP_OPTIONS,
     METHOD_MODULES,
     SelfSpecConfig,
 )
@@ -67,8 +66,8 @@ def common_table(short: bool) -> str:
             meaning = re.split(r"(?<=\.)\s", meaning, maxsplit=1)[0]
         rows.append(_row(name, default, meaning))
         if name == "lookup" and not short:
-            rows += [_row(f"lookup.{key}", _code(LOOKUP_DEFAULTS[key]), meaning)
-                     for key, meaning in LOOKUP_KEYS.items()]
+            rows += [_row(f"lookup.{key}", _code(option.default), option.doc)
+                     for key, option in LOOKUP_OPTIONS.items()]
     rows.append(_row("num_speculative_tokens", "per method", NUM_SPECULATIVE_TOKENS))
     return HEADER + "".join(rows)
 

@@ -12,7 +12,9 @@ Three resumable stages, each cached under .cache/heads/<model>/:
      softmax(E* . T_E . norm(h_E)) matches the final distribution (KL), model
      frozen; AdamW with warm-up and cosine decay as in the paper.
 Writes <out>/heads.json, heads.safetensors and agreement.png (held-out top-1
-agreement per layer before and after training).
+agreement per layer before and after training), by default under runs/heads/
+(give the directory as `heads`); `--install` also puts them among the shipped
+heads, where a method finds them by the model's weights.
 
     python scripts/train_exit_heads.py --model smollm2-135m
 """
@@ -23,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from vllm_selfspec import prompts as prompt_sets
-from vllm_selfspec.assets import CONFIGS_DIR, ROOT, fast_dtype
+from vllm_selfspec.assets import CONFIGS_DIR, RESULTS_DIR, ROOT, fast_dtype
 from vllm_selfspec.draft.heads import model_identity, save_heads
 
 BENCHMARK_PROMPTS = 8  # per set; scripts/benchmark.py uses the first ones
@@ -216,7 +219,10 @@ def main() -> None:
     parser.add_argument("--held-out", type=float, default=0.1, help="share of sequences")
     parser.add_argument("--dtype", default=fast_dtype(),
                         help="of the data-generating engine (bfloat16 where native, else float32)")
-    parser.add_argument("--out", help="heads directory (default vllm_selfspec/configs/heads/<model>)")
+    parser.add_argument("--out", help="heads directory (default runs/heads/<model>)")
+    parser.add_argument("--install", action="store_true",
+                        help="also copy them into vllm_selfspec/configs/heads/<model>, "
+                             "where methods find them by the model's weights")
     parser.add_argument("--workdir", help="cache for resuming (default .cache/heads/<model>)")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -233,7 +239,7 @@ def main() -> None:
     if not all(0 < e < num_layers for e in args.exit_layers):
         raise SystemExit(f"--exit-layers must lie in 1..{num_layers - 1}")
     workdir = Path(args.workdir or ROOT / ".cache" / "heads" / name)
-    out = Path(args.out or CONFIGS_DIR / "heads" / name)
+    out = Path(args.out or RESULTS_DIR / "heads" / name)
     workdir.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -279,6 +285,12 @@ def main() -> None:
         print(f"{k:>4}{before[k]['agreement']:>14.3f}{after[k]['agreement']:>13.3f}"
               f"{before[k]['kl']:>11.3f}{after[k]['kl']:>10.3f}")
     print(f"plot: {plot_path}")
+    if args.install:
+        shipped = CONFIGS_DIR / "heads" / name
+        shutil.copytree(out, shipped, dirs_exist_ok=True)
+        print(f"installed: {shipped}")
+    else:
+        print(f'use them with "heads": "{out}" (or --install to ship them)')
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ ENGINE_DEFAULTS = dict(
 # Modules that start no engine: they run first, and a failure among them
 # stops the session before any engine starts (minutes saved on a broken tree).
 ENGINE_FREE_MODULES = ("test_config", "test_patches", "test_exit_stats",
-                       "test_draft_weights", "test_safety", "test_benchmark")
+                       "test_draft_weights", "test_safety", "test_round_policy",
+                       "test_benchmark")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

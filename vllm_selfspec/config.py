@@ -46,39 +46,10 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 
-# Keys every method takes (beside num_speculative_tokens and config_file).
-COMMON_FIELDS = ("draft_precision", "draft_vocab", "draft_vocab_size", "cost_aware",
-                 "probe_every", "lookup", "full_depth")
 DRAFT_PRECISIONS = ("auto", "target", "int8", "int4")
 # On a GPU, "auto" makes an int8 copy only where it takes at most this share
 # of the device's memory (the rest is the KV cache's).
 GPU_COPY_SHARE = 0.10
-
-
-# A lookup draft is at most `max_tokens` long (and at most the method's
-# num_speculative_tokens): its tokens cost no draft step but each is verified.
-# Cost-aware drafting sizes each request's lookups by their record below that
-# cap (`RoundPolicy.lookup_lengths`): long in text that copies long spans,
-# short where a match's continuation soon parts from the target's
-# (docs/results/batch1.md); suffix trees size each draft themselves, from
-# how often a continuation followed the match, so their lookups run to the cap
-# wherever the record says some length pays. Without it every lookup may run
-# to the cap.
-# The suffix keys are vLLM's `suffix_decoding_*` defaults but for the cache of
-# past responses, kept smaller: each holds up to max_model_len tokens.
-LOOKUP_KEYS = {
-    "source": 'Where drafts are looked up: "ngram", vLLM\'s matcher over the request\'s '
-              'own tokens; "suffix", Arctic Inference\'s suffix trees over the request '
-              "and the engine's past responses (needs arctic-inference).",
-    "min_match": "ngram: the fewest of a request's last tokens that must have occurred before.",
-    "max_match": "ngram: the most of its last tokens matched (the longest match wins).",
-    "max_tokens": "The most tokens one lookup drafts.",
-    "max_tree_depth": "suffix: the most of a request's last tokens matched (the trees' depth).",
-    "max_cached_requests": "suffix: past responses kept for other requests to draft from, "
-                           "the oldest evicted first (0: none, only the request's own text).",
-    "max_spec_factor": "suffix: a draft is at most this many times the matched length.",
-    "min_token_prob": "suffix: the least estimated probability of a drafted token.",
-}
 
 
 class SelfSpecConfigError(ValueError):
@@ -98,6 +69,9 @@ class Option:
     gt: float | None = None
     le: float | None = None
     lt: float | None = None
+    # What the key means, for keys inside a dict-valued field (lookup's), which
+    # have no docstring of their own.
+    doc: str = ""
 
     def check(self, name: str, value: Any) -> None:
         """Raise, naming the field, if a number lies outside the range."""
@@ -126,10 +100,36 @@ def _field_names(cls: type) -> set[str]:
 
 
 LOOKUP_SOURCES = ("ngram", "suffix")
-LOOKUP_OPTIONS = {"source": Option("ngram"), "min_match": Option(2, ge=1),
-                  "max_match": Option(8, ge=1), "max_tokens": Option(12, ge=1),
-                  "max_tree_depth": Option(24, ge=1), "max_cached_requests": Option(1000, ge=0),
-                  "max_spec_factor": Option(1.0, ge=0), "min_token_prob": Option(0.1, ge=0, le=1)}
+# A lookup draft is at most `max_tokens` long (and at most the method's
+# num_speculative_tokens): its tokens cost no draft step but each is verified.
+# Cost-aware drafting sizes each request's lookups by their record below that
+# cap (`RoundPolicy.lookup_lengths`): long in text that copies long spans,
+# short where a match's continuation soon parts from the target's
+# (docs/results/batch1.md); suffix trees size each draft themselves, from
+# how often a continuation followed the match, so their lookups run to the cap
+# wherever the record says some length pays. Without it every lookup may run
+# to the cap.
+# The suffix keys are vLLM's `suffix_decoding_*` defaults but for the cache of
+# past responses, kept smaller: each holds up to max_model_len tokens.
+LOOKUP_OPTIONS = {
+    "source": Option("ngram", doc='Where drafts are looked up: "ngram", vLLM\'s matcher over '
+                     "the request's own tokens; \"suffix\", Arctic Inference's suffix trees "
+                     "over the request and the engine's past responses (needs arctic-inference)."),
+    "min_match": Option(2, ge=1, doc="ngram: the fewest of a request's last tokens that must "
+                        "have occurred before."),
+    "max_match": Option(8, ge=1, doc="ngram: the most of its last tokens matched (the longest "
+                        "match wins)."),
+    "max_tokens": Option(12, ge=1, doc="The most tokens one lookup drafts."),
+    "max_tree_depth": Option(24, ge=1, doc="suffix: the most of a request's last tokens matched "
+                             "(the trees' depth)."),
+    "max_cached_requests": Option(1000, ge=0, doc="suffix: past responses kept for other "
+                                  "requests to draft from, the oldest evicted first (0: none, "
+                                  "only the request's own text)."),
+    "max_spec_factor": Option(1.0, ge=0, doc="suffix: a draft is at most this many times the "
+                              "matched length."),
+    "min_token_prob": Option(0.1, ge=0, le=1, doc="suffix: the least estimated probability of a "
+                             "drafted token."),
+}
 LOOKUP_DEFAULTS = {key: option.default for key, option in LOOKUP_OPTIONS.items()}
 
 
@@ -210,7 +210,7 @@ class SelfSpecConfig(SpeculativeConfig):
     match, up to the cap wherever some length pays); without it, `max_tokens`."""
     full_depth: Annotated[bool | None, Option(True)] = None
     """The full-depth draft over the same weights is the base a skip set or
-    an early exit must beat: with cost_aware, a round drafts by the method's
+    an early exit must beat. With cost_aware, a round drafts by the method's
     mechanism only where its measured acceptance and step cost beat the
     base's by 5 %, else at full depth (trial rounds of the other keep both
     measured; `policy/mechanism_gate.py`); false: the mechanism drafts every
@@ -441,6 +441,11 @@ class SelfSpecConfig(SpeculativeConfig):
             raise SelfSpecConfigError(
                 f"speculative_config.lookup: min_match {lookup['min_match']} and "
                 f"max_match {lookup['max_match']} need min_match <= max_match.")
+
+
+# Keys every method takes (beside num_speculative_tokens, config_file and
+# draft_sample_method): the shared fields that declare an Option.
+COMMON_FIELDS = tuple(SelfSpecConfig.options())
 
 
 def eval_field_type(cls: type, field_type: Any) -> Any:

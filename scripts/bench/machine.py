@@ -1,4 +1,4 @@
-"""These VMs drift: a probe of the machine's speed during each engine start,
+"""These machines drift: a probe of the machine's speed during each engine start,
 the rule that flags a start the machine slowed, and the orders that spread
 slow spells over every engine alike."""
 
@@ -34,7 +34,7 @@ def _probe_operands():
 
 def machine_speed() -> float:
     """GB/s one thread streams through a float32 matrix-vector product over
-    256 MB of weights, as a decode step streams its weights. These VMs' slow
+    256 MB of weights, as a decode step streams its weights. These machines' slow
     spells are in memory bandwidth while cache-resident work runs at full
     speed (docs/results/kernels-and-machine.md), so an engine start during
     which the probe read slower than during plain's has a ratio that is partly
@@ -83,9 +83,9 @@ def typical_machine_speed(runs: list[Run]) -> float:
 
 def drifted_starts(runs: list[Run], typical: float) -> list[tuple[Run, int]]:
     """Each (run, start index) during which the probe read the machine more
-    than MACHINE_TOLERANCE off `typical`: these VMs slow for minutes at a time
+    than MACHINE_TOLERANCE off `typical`: these machines slow for minutes at a time
     (docs/results/kernels-and-machine.md), so such a start's ratio is partly
-    the VM's."""
+    the machine's."""
     return [(run, index) for run in runs for index, speed in enumerate(run.start_machine_speed)
             if abs(speed / typical - 1) > MACHINE_TOLERANCE]
 

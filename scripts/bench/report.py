@@ -233,7 +233,7 @@ def _mechanism_cell(row: dict) -> str:
 
 def machine_warnings(rows: list[dict]) -> list[str]:
     """One sentence per engine start during which the machine ran at another
-    speed than during plain's same start: that start's ratio is partly the VM's."""
+    speed than during plain's same start: that start's ratio is partly the machine's."""
     warnings = []
     for row in rows:
         for start, ratio in enumerate(row.get("machine_vs_plain_starts", []), 1):

@@ -1,6 +1,6 @@
 """Is the process started first slower, without vLLM?
 
-Interleaved benchmark runs on these VMs show the engine started first in a start
+Interleaved benchmark runs on these machines show the engine started first in a start
 decoding slower than the others from its first request to its last
 (docs/results/kernels-and-machine.md). This probe asks
 whether that needs vLLM at all: each worker process holds `--weights-gb` of bf16

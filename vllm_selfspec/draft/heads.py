@@ -232,7 +232,7 @@ class ExitDraft(nn.Module):
         super().__init__()
         self.segments = nn.ModuleList(segments)
         self._compute_logits = compute_logits
-        from vllm_selfspec.draft.model import LayerPlan
+        from vllm_selfspec.draft.plan import LayerPlan
 
         deepest = segments[-1].end
         self.plan = LayerPlan.skipping(num_layers, list(range(deepest, num_layers)),

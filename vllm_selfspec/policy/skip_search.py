@@ -36,7 +36,7 @@ from typing import Literal
 
 import numpy as np
 
-from vllm_selfspec.draft.model import LayerPlan
+from vllm_selfspec.draft.plan import LayerPlan
 from vllm_selfspec.policy.payoff import StepCosts, best_speed
 
 

@@ -58,10 +58,10 @@ from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 from vllm_selfspec.config import SelfSpecConfig
 from vllm_selfspec.draft.model import (
     EagerPlanDraft,
-    LayerPlan,
     LayerSubsetDraft,
     key_compile_cache,
 )
+from vllm_selfspec.draft.plan import LayerPlan
 from vllm_selfspec.draft.lookup import (
     SuffixLookup,
     compile_lookup,
@@ -338,7 +338,7 @@ class SelfSpecProposer(DraftModelProposer):
         (rank 0's on every rank). Default: the two plans' drafts."""
         from vllm.distributed import get_tp_group
 
-        from vllm_selfspec.diagnostics import draft_step_seconds
+        from vllm_selfspec.proposers.timing import draft_step_seconds
 
         ratio = (draft_step_seconds(self.vllm_config, self.model)
                  / draft_step_seconds(self.vllm_config, self.base_draft))
@@ -350,7 +350,7 @@ class SelfSpecProposer(DraftModelProposer):
         the ones all ranks use."""
         from vllm.distributed import get_tp_group
 
-        from vllm_selfspec.diagnostics import time_forwards
+        from vllm_selfspec.proposers.timing import time_forwards
 
         return get_tp_group().broadcast_object(
             time_forwards(self.runner, self, self.num_speculative_tokens), src=0)

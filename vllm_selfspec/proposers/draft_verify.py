@@ -14,7 +14,7 @@ from vllm.config.utils import config
 
 from vllm_selfspec.config import Option, SelfSpecConfigError, check_layer_indices
 from vllm_selfspec.draft.choice import DraftChoiceConfig
-from vllm_selfspec.draft.model import LayerPlan
+from vllm_selfspec.draft.plan import LayerPlan
 from vllm_selfspec.policy.confidence_stop import (
     REFERENCE_MAX_DRAFTS,
     REFERENCE_RULE,

@@ -222,7 +222,7 @@ class DelProposer(EarlyExitProposer):
     def step_overhead(self) -> float:
         """TPL's fixed cost per forward, in layers: the configured one, else
         measured once, at start-up (a line through the draft step's time at
-        each exit, diagnostics.py), on every rank, rank 0's kept by all."""
+        each exit, proposers/timing.py), on every rank, rank 0's kept by all."""
         if self.options.step_overhead is not None:
             return self.options.step_overhead
         self.time_exits()
@@ -235,7 +235,7 @@ class DelProposer(EarlyExitProposer):
             return
         from vllm.distributed import get_tp_group
 
-        from vllm_selfspec.diagnostics import measure_exit_costs
+        from vllm_selfspec.proposers.timing import measure_exit_costs
 
         measured = measure_exit_costs(self.runner, repeats=EXIT_TIMING_REPEATS)
         fitted = measured["step_overhead_layers"]
@@ -250,7 +250,7 @@ class DelProposer(EarlyExitProposer):
         most a round's share can be; each round's is `mechanism_share`)."""
         from vllm.distributed import get_tp_group
 
-        from vllm_selfspec.diagnostics import draft_step_seconds
+        from vllm_selfspec.proposers.timing import draft_step_seconds
 
         self.time_exits()
         self.full_depth_seconds = get_tp_group().broadcast_object(

@@ -135,7 +135,7 @@ class EarlyExitConfig(DraftChoiceConfig):
 
 
 TRAIN_HEADS = ("train them with `python scripts/train_exit_heads.py --model MODEL_DIR` "
-               "and give their directory as heads")
+               "and give their directory (runs/heads/<model>) as heads")
 
 
 def resolve_heads(location: str) -> Path:

@@ -62,7 +62,7 @@ from vllm.logger import init_logger
 
 from vllm_selfspec.config import Option, SelfSpecConfigError
 from vllm_selfspec.draft.choice import DraftChoiceConfig
-from vllm_selfspec.draft.model import LayerPlan
+from vllm_selfspec.draft.plan import LayerPlan
 from vllm_selfspec.draft.tokens import top1_probability
 from vllm_selfspec.policy.payoff import StepCosts
 from vllm_selfspec.policy.rounds import MIN_GAIN
@@ -228,7 +228,7 @@ class SwiftProposer(SelfSpecProposer):
         its first call traces vLLM's compiled activation, a wait a user's
         request would otherwise pay."""
         super().time_costs()
-        from vllm_selfspec.diagnostics import warm_up
+        from vllm_selfspec.proposers.timing import warm_up
 
         draft = self.eager_draft(self.drafting_set.plan())
         for num_tokens in sorted({1, self.options.context_window}):
