@@ -34,9 +34,11 @@ import re
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import aiohttp
 import requests
+from bench.presets import settings_for
 from serving import Server, vllm_serve
 from tqdm import tqdm
 
@@ -45,12 +47,9 @@ from vllm_selfspec.assets import RESULTS_DIR as RESULTS
 from vllm_selfspec.assets import ROOT
 
 MODEL_DIR = ROOT / "models" / "smollm2-135m"
-METHOD_SPECS = {
-    "draft_verify": {"method": "draft_verify", "config_file": "smollm2-135m"},
-    "adadecode": {"method": "adadecode", "heads": "smollm2-135m", "threshold": 0.5},
-    "del": {"method": "del", "heads": "smollm2-135m"},
-    "swift": {"method": "swift", "context_window": 8},
-}
+# The servers after plain vLLM's: the recommended setting, then each method at
+# its defaults.
+METHODS = ("recommended", "draft_verify", "adadecode", "del", "swift")
 MAX_MODEL_LEN = 1024
 PHONE = r"[0-9]{3}-[0-9]{4}"
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -326,7 +325,7 @@ def print_table(reports: list[Report]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--methods", default="plain," + ",".join(METHOD_SPECS),
+    parser.add_argument("--methods", default="plain," + ",".join(METHODS),
                         help="servers in order; the first is the greedy reference")
     parser.add_argument("--model", default=str(MODEL_DIR))
     parser.add_argument("--clients", type=int, default=32)
@@ -347,8 +346,9 @@ def main() -> None:
     if args.url:
         reports.append(load_run(Server(args.url, None, None), args.name, plan, args, None)[0])
         print_table(reports)
+    settings = settings_for(Path(args.model).name)
     for position, name in enumerate([] if args.url else args.methods.split(",")):
-        spec = None if name == "plain" else METHOD_SPECS[name]
+        spec = settings[name]
         log = RESULTS / "logs" / f"{args.name}-{position}-{name}.log"
         with vllm_serve(args.model, spec, log, server_args(args), dev_mode=True,
                         env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as server:

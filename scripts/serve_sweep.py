@@ -38,13 +38,7 @@ from pathlib import Path
 
 import requests
 from bench.plots import plot_serving
-from bench.presets import (
-    NGRAM,
-    NGRAM_DYNAMIC,
-    SUFFIX,
-    recommended_config,
-    recommended_suffix_config,
-)
+from bench.presets import settings_for
 from bench.provenance import provenance
 from bench.report import serving_table
 from serving import Server, vllm_serve
@@ -54,23 +48,6 @@ from transformers import AutoTokenizer
 from vllm_selfspec import prompts as prompt_sets
 from vllm_selfspec.assets import ROOT, fast_dtype
 from vllm_selfspec.assets import RESULTS_DIR as RESULTS
-
-
-def settings_for(model: str) -> dict[str, dict | None]:
-    """Every setting the sweep knows, by name; each method at its defaults
-    (the shipped vocabulary and heads are found by the model's weights)."""
-    return {
-        "plain": None,
-        "ngram": NGRAM,
-        "ngram_dynamic": NGRAM_DYNAMIC,
-        "suffix": SUFFIX,
-        "recommended": recommended_config(model),
-        "recommended_suffix": recommended_suffix_config(model),
-        "draft_verify": {"method": "draft_verify"},
-        "swift": {"method": "swift"},
-        "del": {"method": "del"},
-        "adadecode": {"method": "adadecode"},
-    }
 
 
 # Each workload's items, in the order the sweep's runs take them.

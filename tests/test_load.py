@@ -16,7 +16,8 @@ from tests.conftest import forced
 
 @pytest.fixture(scope="module")
 def reports(model_dir, tmp_path_factory):
-    from load_test import METHOD_SPECS, build_requests, load_run, server_args
+    from bench.presets import settings_for
+    from load_test import build_requests, load_run, server_args
     from serving import vllm_serve
     from transformers import AutoTokenizer
 
@@ -24,7 +25,7 @@ def reports(model_dir, tmp_path_factory):
     plan = build_requests(200, str(model_dir), AutoTokenizer.from_pretrained(model_dir))
     logs = tmp_path_factory.mktemp("load")
     found, reference = {}, None
-    for name, spec in (("plain", None), ("adadecode", forced(METHOD_SPECS["adadecode"]))):
+    for name, spec in (("plain", None), ("adadecode", forced(settings_for(model_dir.name)["adadecode"]))):
         with vllm_serve(model_dir, spec, logs / f"{name}.log", server_args(args),
                         env={"VLLM_CPU_KVCACHE_SPACE": "1"}, dev_mode=True) as server:
             found[name], greedy = load_run(server, name, plan, args, reference)

@@ -122,3 +122,21 @@ def configs_for_method(method: str, args) -> dict | None:
     if method == "del":
         return del_config(args)
     return {"method": method}
+
+
+def settings_for(model: str) -> dict[str, dict | None]:
+    """The servers' settings by name (serve_sweep.py, load_test.py); each
+    method at its defaults (the shipped vocabulary and heads are found by the
+    model's weights)."""
+    return {
+        "plain": None,
+        "ngram": NGRAM,
+        "ngram_dynamic": NGRAM_DYNAMIC,
+        "suffix": SUFFIX,
+        "recommended": recommended_config(model),
+        "recommended_suffix": recommended_suffix_config(model),
+        "draft_verify": {"method": "draft_verify"},
+        "swift": {"method": "swift"},
+        "del": {"method": "del"},
+        "adadecode": {"method": "adadecode"},
+    }
