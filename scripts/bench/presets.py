@@ -53,27 +53,16 @@ PLAIN_AGAIN = "plain_again"
 
 
 def method_configs(model_dir: Path, args) -> dict[str, dict | None]:
-    config_file = args.model
-    configs = {
-        "plain": None,
+    """Every setting the benchmark knows by name: the servers' (`settings_for`:
+    each method at its defaults, nothing but its name) and the benchmark's own."""
+    return {
+        **settings_for(args.model),
         PLAIN_AGAIN: None,
-        "draft_verify": {"method": "draft_verify", **(  # its shipped skip set, if any
-            {"config_file": config_file} if (CONFIGS_DIR / f"{config_file}.json").exists()
-            else {})},
         "draft_verify_full_depth": FULL_DEPTH,
-        "ngram": NGRAM,
         "draft_model_self": {"method": "draft_model", "model": str(model_dir),
                              "num_speculative_tokens": 4},
+        **cheap_draft_configs(args),
     }
-    if (CONFIGS_DIR / "heads" / config_file).exists():  # trained exit heads
-        configs["adadecode"] = {"method": "adadecode", "heads": config_file}
-    configs["del"] = del_config(args)
-    configs["swift"] = {"method": "swift"}
-    configs["recommended"] = recommended_config(args.model)
-    configs["suffix"] = SUFFIX
-    configs["recommended_suffix"] = recommended_suffix_config(args.model)
-    configs.update(cheap_draft_configs(args))
-    return configs
 
 
 def recommended_config(model: str) -> dict:
