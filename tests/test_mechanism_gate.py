@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_selfspec.policy.mechanism_gate import MechanismGate
+from vllm_selfspec.policy.mechanism_gate import MechanismGate, RoundSources, SourceChoice
 from vllm_selfspec.policy.payoff import StepCosts, expected_tokens
 
 # SmolLM2-135M's int8 copy at batch 1 in plain steps: a full-depth draft token
@@ -111,3 +111,31 @@ def test_bad_settings_are_refused():
                 {"decay": 0.0}):
         with pytest.raises(ValueError):
             MechanismGate(**bad)
+
+
+def test_a_requests_verified_drafts_teach_the_source_that_made_them_and_are_forgotten():
+    """Each request's verification goes to the source of its own last
+    self-drafting round (a round later for some), the base's stop moves on
+    the base's own rounds only (not on its trials), and finished requests
+    leave no state."""
+    sources = RoundSources(gate=MechanismGate(trial_every=2))
+    base = sources.choose(["a", "b"], COSTS, LENGTHS, 0.5)
+    assert not base.mechanism and sources.by_request == {"a": base, "b": base}
+    # The base's drafts: not the method's own feedback, to the base's record.
+    assert sources.observe("a", 3, 4) is False
+    assert sources.gate.base.drafted == 4 and sources.gate.mechanism.drafted == 0
+    assert len(sources.base_stop) == 1
+    assert sources.observe("unknown", 1, 2) is True  # no source: the method's
+    measured(sources.gate, False, 0.9)
+    trial = sources.choose(["b"], COSTS, LENGTHS, 0.5)
+    assert trial.mechanism and trial.trial
+    assert sources.by_request["a"] is base and sources.by_request["b"] is trial
+    assert sources.observe("b", 1, 4) is True  # the mechanism's trial
+    assert sources.gate.mechanism.drafted == 4
+    # A trial of the base teaches the gate but not the base's stop.
+    sources.by_request["c"] = SourceChoice(mechanism=False, trial=True)
+    sources.observe("c", 2, 4)
+    assert "c" not in sources.base_stop.requests
+    sources.forget({"b"})
+    assert set(sources.by_request) == {"b"}
+    assert sources.per_request_state() == {"base_thresholds": 0, "request_sources": 1}

@@ -118,8 +118,8 @@ class SelfSpecWorkerExtension:
         steps and its step's cost over the base's (`policy/mechanism_gate.py`);
         None without one."""
         drafter = self.model_runner.drafter
-        gate = drafter.mechanism_gate
-        return None if gate is None else {**gate.describe(),
+        sources = drafter.sources
+        return None if sources is None else {**sources.gate.describe(),
                                           "step_cost_share": drafter.mechanism_step_share}
 
     def selfspec_state(self) -> dict:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm_selfspec.policy.confidence_stop import REFERENCE_RULE, ConfidenceStop
 from vllm_selfspec.policy.payoff import StepCosts, expected_tokens
 from vllm_selfspec.policy.rounds import MIN_GAIN
 
@@ -160,3 +161,45 @@ class MechanismGate:
                     self.base.drafted / self.base.rounds if self.base.rounds else None),
                 "mechanism_share_of_steps": rounded(
                     self.mechanism_steps / self.steps if self.steps else None)}
+
+
+@dataclass
+class RoundSources:
+    """A method with a mechanism over its full-depth base, per request: which
+    source made each request's last self-drafts (vLLM may verify them a round
+    later), the base's own confidence stop, and the gate they teach. Held for
+    the requests vLLM holds only (`forget`)."""
+
+    gate: MechanismGate = field(default_factory=MechanismGate)
+    base_stop: ConfidenceStop = field(default_factory=lambda: ConfidenceStop(REFERENCE_RULE))
+    by_request: dict[str, SourceChoice] = field(default_factory=dict)
+
+    def choose(self, req_ids: list[str], costs: StepCosts | None,
+               max_drafts: tuple[int, int], step_share: float) -> SourceChoice:
+        """This self-drafting round's source for `req_ids` (the gate's
+        `next_round`), noted for each request's verification."""
+        source = self.gate.next_round(costs, len(req_ids), max_drafts, step_share)
+        self.by_request.update(dict.fromkeys(req_ids, source))
+        return source
+
+    def observe(self, req_id: str, accepted: int, drafted: int) -> bool:
+        """A request's verified self-drafts: to the gate, by the source that
+        made them, and to the base's stop on the base's own rounds (not its
+        trials). Returns whether they are the mechanism's (or of no known
+        source), so the method's own feedback takes them."""
+        source = self.by_request.get(req_id)
+        if source is None:
+            return True
+        self.gate.record(source.mechanism, drafted, accepted)
+        if not source.mechanism and not source.trial:
+            self.base_stop.observe(req_id, accepted, drafted)
+        return source.mechanism
+
+    def forget(self, live_req_ids: set[str]) -> None:
+        """Drop the state of requests vLLM no longer holds."""
+        self.base_stop.forget(live_req_ids)
+        for req_id in set(self.by_request) - live_req_ids:
+            del self.by_request[req_id]
+
+    def per_request_state(self) -> dict[str, int]:
+        return {"base_thresholds": len(self.base_stop), "request_sources": len(self.by_request)}

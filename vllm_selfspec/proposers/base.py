@@ -72,12 +72,8 @@ from vllm_selfspec.draft.sampling import DraftSampler
 from vllm_selfspec.draft.tokens import BASE, LOOKUP, MECHANISM, NO_DRAFT, top1_probability
 from vllm_selfspec.draft.weights import DraftWeights
 from vllm_selfspec.models import adapter_for
-from vllm_selfspec.policy.confidence_stop import (
-    REFERENCE_MAX_DRAFTS,
-    REFERENCE_RULE,
-    ConfidenceStop,
-)
-from vllm_selfspec.policy.mechanism_gate import MechanismGate, SourceChoice
+from vllm_selfspec.policy.confidence_stop import REFERENCE_MAX_DRAFTS, ConfidenceStop
+from vllm_selfspec.policy.mechanism_gate import RoundSources, SourceChoice
 from vllm_selfspec.policy.payoff import ForwardTimes, StepCosts
 from vllm_selfspec.policy.rounds import DraftDecision, RoundPolicy
 from vllm_selfspec.proposers.draft_metadata import decode_metadata
@@ -139,17 +135,15 @@ class SelfSpecProposer(DraftModelProposer):
         self._by_mechanism: torch.Tensor | None = None
         self.suffix_lookup: SuffixLookup | None = None  # lookup source "suffix"
         # The mechanism against the full-depth base (`full_depth`; set at load
-        # for a method with a mechanism): the gate, the base's stop, the
-        # mechanism's draft step over the base's (timed at start-up; 1 where
-        # nothing was timed then: the mechanism must win on acceptance), this
-        # self-drafting round's source, and the source of each request's last
-        # self-drafts (vLLM may verify them a round later).
-        self.mechanism_gate: MechanismGate | None = None
+        # for a method with a mechanism): the base's draft, the sources'
+        # per-request state and gate, the mechanism's draft step over the
+        # base's (timed at start-up; 1 where nothing was timed then: the
+        # mechanism must win on acceptance), and this self-drafting round's
+        # source.
         self.base_draft: nn.Module | None = None
-        self.base_stop = ConfidenceStop(REFERENCE_RULE)
+        self.sources: RoundSources | None = None
         self.mechanism_step_share = 1.0
         self.source: SourceChoice | None = None
-        self._request_sources: dict[str, SourceChoice] = {}
         # Records, clock, costs, the last round: cost-aware drafting's state.
         self.policy = RoundPolicy(self.options, self.num_speculative_tokens,
                                   self._time_forwards, share=_from_rank_0)
@@ -211,8 +205,7 @@ class SelfSpecProposer(DraftModelProposer):
         holds at most, so growth after requests finish is a leak."""
         trees = {} if self.suffix_lookup is None else {
             "suffix_trees": len(self.suffix_lookup.fed)}
-        base = {} if self.mechanism_gate is None else {
-            "base_thresholds": len(self.base_stop), "request_sources": len(self._request_sources)}
+        base = {} if self.sources is None else self.sources.per_request_state()
         return {**self.policy.per_request_state(), **trees, **base}
 
     # --- vLLM's proposer interface -------------------------------------------
@@ -237,7 +230,7 @@ class SelfSpecProposer(DraftModelProposer):
         self.model = self.build_draft(len(layers))
         if self.options.full_depth and self.has_mechanism():
             self.base_draft = self.build_base_draft(len(layers))
-            self.mechanism_gate = MechanismGate()
+            self.sources = RoundSources()
         # Metadata is built per attention backend, not per layer, so naming
         # every target layer costs nothing and lets any plan run.
         self._draft_attn_layer_names = {
@@ -324,7 +317,7 @@ class SelfSpecProposer(DraftModelProposer):
         vLLM's CPU CI) is timed at first use."""
         if self.options.cost_aware:
             self.policy.forward_times = self._time_forwards()
-        if self.mechanism_gate is not None:
+        if self.sources is not None:
             self.mechanism_step_share = self._time_mechanism_share()
 
     def timed_at_start_up(self) -> dict:
@@ -469,31 +462,23 @@ class SelfSpecProposer(DraftModelProposer):
         self.policy.skip_round(list(self.runner.input_batch.req_ids))
 
     def _observe_source(self, req_id: str, accepted: int, drafted: int) -> None:
-        """A request's verified self-drafts: to the gate, by the source that
-        made them, and to that source's stop (the base's moves on the base's
-        own rounds, not on its trials)."""
-        source = self._request_sources.get(req_id)
-        if source is None or source.mechanism:
+        """A request's verified self-drafts: to the sources' gate and stop,
+        and the mechanism's to the method's own feedback."""
+        if self.sources is None or self.sources.observe(req_id, accepted, drafted):
             self.observe_round(req_id, accepted, drafted)
-        if source is None:
-            return
-        self.mechanism_gate.record(source.mechanism, drafted, accepted)
-        if not source.mechanism and not source.trial:
-            self.base_stop.observe(req_id, accepted, drafted)
 
     def _choose_source(self, req_ids: list[str]) -> SourceChoice | None:
         """This self-drafting round's source (None: the method has no
         mechanism, or `full_depth` is off)."""
-        if self.mechanism_gate is None:
+        if self.sources is None:
             return None
         costs = self.policy.timed_costs(len(req_ids)) if self.options.cost_aware else None
-        source = self.mechanism_gate.next_round(
-            costs or None, len(req_ids),
+        source = self.sources.choose(
+            req_ids, costs or None,
             (self.num_speculative_tokens, min(self.num_speculative_tokens,
                                               REFERENCE_MAX_DRAFTS)),
             self.mechanism_share(req_ids))
         self.source = source
-        self._request_sources.update(dict.fromkeys(req_ids, source))
         if source.trial:
             self.policy.note_trials(req_ids)
         return source
@@ -507,9 +492,8 @@ class SelfSpecProposer(DraftModelProposer):
                                        started)
         if live is not None:
             self.forget_finished(live)
-            self.base_stop.forget(live)
-            for req_id in set(self._request_sources) - live:
-                del self._request_sources[req_id]
+            if self.sources is not None:
+                self.sources.forget(live)
             if self.suffix_lookup is not None:
                 self.suffix_lookup.forget(live)
 
@@ -577,7 +561,7 @@ class SelfSpecProposer(DraftModelProposer):
             by_mechanism[:, step] = drafting & result.by_mechanism
             if sampler is not None:
                 sampler.keep(step, drafting)
-            stop = (self.stop_below_threshold(self.base_stop, req_ids, logits, step)
+            stop = (self.stop_below_threshold(self.sources.base_stop, req_ids, logits, step)
                     if base_round else self.stop_after(req_ids, logits, step))
             if stop is not None:
                 drafting &= ~stop
@@ -587,7 +571,7 @@ class SelfSpecProposer(DraftModelProposer):
             self._last_draft_probs = sampler.round_probs(drafts)
         self._by_mechanism = by_mechanism
         if source is not None:
-            self.mechanism_gate.record_steps(source.mechanism, steps_run)
+            self.sources.gate.record_steps(source.mechanism, steps_run)
         return steps_run
 
     def draft_sources(self, req_ids: list[str], rows: list[list[int]]) -> list[str]:
