@@ -39,6 +39,7 @@ from pathlib import Path
 import aiohttp
 import requests
 from bench.presets import settings_for
+from bench.provenance import provenance
 from serving import Server, vllm_serve
 from tqdm import tqdm
 
@@ -358,7 +359,7 @@ def main() -> None:
         print_table(reports)
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{args.name}.json"
-    out.write_text(json.dumps({"command": "python scripts/load_test.py " + " ".join(
+    out.write_text(json.dumps({**provenance(), "command": "python scripts/load_test.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
         "reports": [asdict(r) for r in reports]}, indent=2))
     print(f"wrote {out}")
