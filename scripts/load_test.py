@@ -359,9 +359,11 @@ def main() -> None:
         print_table(reports)
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{args.name}.json"
-    out.write_text(json.dumps({**provenance(), "command": "python scripts/load_test.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-        "reports": [asdict(r) for r in reports]}, indent=2))
+    command = "python scripts/load_test.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None)
+    out.write_text(json.dumps({**provenance(), "dtype_md": "float32, eager",  # server_args
+                               "command": command, "reports": [asdict(r) for r in reports]},
+                              indent=2))
     print(f"wrote {out}")
 
 

@@ -120,7 +120,7 @@ class SelfSpecWorkerExtension:
         drafter = self.model_runner.drafter
         sources = drafter.sources
         return None if sources is None else {**sources.gate.describe(),
-                                          "step_cost_share": drafter.mechanism_step_share}
+                                             "step_cost_share": drafter.mechanism_step_share}
 
     def selfspec_state(self) -> dict:
         """Per-request state the drafter holds, and this worker's resident
