@@ -114,9 +114,10 @@ def configs_for_method(method: str, args) -> dict | None:
 
 
 def settings_for(model: str) -> dict[str, dict | None]:
-    """The servers' settings by name (serve_sweep.py, load_test.py); each
-    method at its defaults (the shipped vocabulary and heads are found by the
-    model's weights)."""
+    """The settings by name that the servers and the benchmark share
+    (serve_sweep.py, load_test.py, `method_configs`); each method at its
+    defaults (the shipped vocabulary and heads are found by the model's
+    weights)."""
     return {
         "plain": None,
         "ngram": NGRAM,
