@@ -139,3 +139,24 @@ def test_a_requests_verified_drafts_teach_the_source_that_made_them_and_are_forg
     sources.forget({"b"})
     assert set(sources.by_request) == {"b"}
     assert sources.per_request_state() == {"base_thresholds": 0, "request_sources": 1}
+
+
+def test_a_round_the_mechanism_declines_is_the_bases_and_counted():
+    """A trial whose method drafts nothing (DEL: no exit pays) falls back to
+    the base: the requests' verification teaches the base's record and stop,
+    the mechanism keeps no record, and the report counts the trial and the
+    decline."""
+    sources = RoundSources(gate=MechanismGate(trial_every=2))
+    measured(sources.gate, False, 0.9)
+    assert not sources.choose(["a"], COSTS, LENGTHS, 0.5).mechanism
+    trial = sources.choose(["a"], COSTS, LENGTHS, 0.5)  # every 2nd round
+    assert trial.mechanism and trial.trial
+    fallen = sources.fall_back(["a"])
+    assert not fallen.mechanism and not fallen.trial and sources.by_request["a"] is fallen
+    base_drafted = sources.gate.base.drafted
+    assert sources.observe("a", 3, 4) is False
+    assert sources.gate.base.drafted == pytest.approx(0.98 * base_drafted + 4)
+    assert sources.gate.mechanism.drafted == 0 and len(sources.base_stop) == 1
+    report = sources.describe()
+    assert report["mechanism_trials"] == 1 and report["declined_by_mechanism"] == 1
+    assert report["mechanism_acceptance"] is None

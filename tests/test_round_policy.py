@@ -666,3 +666,59 @@ def test_drafting_resumes_after_a_slow_spell_of_the_machine():
         assert clock.costs(prior)[1] == slow  # still within the horizon
     clock.record_plain(1, plain_s, 20 + 512)
     assert clock.costs(prior)[1] == prior and best_budget(0.8, prior, 8, 0.05) > 0
+
+
+@pytest.mark.parametrize("lookups_pay", [True, False])
+def test_lookups_and_self_drafts_are_gated_apart(lookups_pay):
+    """Rounds that only looked up are scored apart from rounds that
+    self-drafted: at a batch size where self-drafting rounds lose to plain
+    (4 requests, 2 self-drafts each, 1 accepted, in three plain rounds'
+    time), lookups that pay (3 accepted each in little more than a plain
+    round's time) still draft, and where the lookups lose and the self-drafts
+    pay, the self-drafts still draft. Off the closed bucket's tries, the closed
+    kind's costs are None and the other's are the engine's."""
+    from vllm_selfspec.policy.payoff import ForwardTimes, batch_bucket, reopen_interval
+    from vllm_selfspec.policy.rounds import PROBE_SHARE
+
+    policy = round_policy()
+    policy.forward_times = ForwardTimes(**RECORDED_FORWARD_TIMES)
+    batch, clock = ["a", "b", "c", "d"], [0.0]
+
+    def run(steps: int, looked_up: bool, verified: int, accepted: int, seconds: float) -> None:
+        now = clock[0]
+        policy.end_round(batch, steps, now, now + 0.001, looked_up)
+        drafts = [verified] * len(batch) if verified else None
+        policy.start_round(batch, set(batch), drafts, len(batch) * (1 + verified),
+                           now + seconds)
+        policy.take_feedback(batch, drafts, None if drafts is None
+                             else [verified - accepted] * len(batch),
+                             len(batch) * (1 + verified), now + seconds)
+        clock[0] = now + seconds
+
+    for _ in range(4):
+        run(0, False, 0, 0, 0.1)  # plain rounds
+    winner, loser = ((True, 3, 3, 0.12), (False, 2, 1, 0.3)) if lookups_pay else (
+        (False, 2, 2, 0.12), (True, 3, 0, 0.3))
+    for _ in range(6):
+        for looked_up, verified, accepted, seconds in (winner, loser):
+            run(0 if looked_up else verified, looked_up, verified, accepted, seconds)
+    losing_gate, winning_gate = ((policy.gate, policy.lookup_gate) if lookups_pay
+                                 else (policy.lookup_gate, policy.gate))
+    bucket = batch_bucket(len(batch))
+    assert set(losing_gate.closed()) == {bucket} and winning_gate.closed() == {}
+    for _ in range(64):  # to a round that shares the gates and is not a try of the closed bucket
+        policy.start_round(batch, set(batch), None, len(batch), clock[0])
+        policy.timed_costs(len(batch))
+        interval = reopen_interval(losing_gate.closed()[bucket], 16, PROBE_SHARE)
+        if policy.counters.rounds % interval and policy.shared_costs:
+            break
+    else:
+        pytest.fail("no round shared the gates' closed buckets")
+    closed = policy.shared_closed if lookups_pay else policy.shared_lookup_closed
+    assert set(closed) == {bucket}
+    assert policy.goodput()["lookups" if lookups_pay else "self_drafts"]["closed"] == {}
+    self_costs, lookup_costs = policy.timed_costs(len(batch)), policy.lookup_costs(len(batch))
+    assert (self_costs is None) == lookups_pay and (lookup_costs is None) != lookups_pay
+    rounds = policy.counters.rounds
+    assert policy.closed(len(batch), rounds, lookups=not lookups_pay)
+    assert not policy.closed(len(batch), rounds, lookups=lookups_pay)

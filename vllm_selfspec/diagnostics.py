@@ -115,11 +115,11 @@ class SelfSpecWorkerExtension:
     def selfspec_mechanism_gate(self) -> dict | None:
         """A method with a mechanism over its full-depth base: each source's
         measured acceptance and round length, the mechanism's share of draft
-        steps and its step's cost over the base's (`policy/mechanism_gate.py`);
-        None without one."""
+        steps, its trials and the rounds it declined, and its step's cost over
+        the base's (`policy/mechanism_gate.py`); None without one."""
         drafter = self.model_runner.drafter
         sources = drafter.sources
-        return None if sources is None else {**sources.gate.describe(),
+        return None if sources is None else {**sources.describe(),
                                              "step_cost_share": drafter.mechanism_step_share}
 
     def selfspec_state(self) -> dict:
@@ -147,13 +147,14 @@ class SelfSpecWorkerExtension:
         """The engine's timed rounds (plain, drafted and looked-up, seconds,
         per batch size), what is timed at start-up where it can be (the
         forward times behind the stand-in costs; DEL's step overhead) and the costs the budget
-        uses now, and the goodput gate's measured ratios per batch bucket
-        (drafting rounds' throughput over plain's) with the closed ones."""
+        uses now, and the goodput gates' measured ratios per batch bucket
+        (self-drafting and lookup-only rounds' throughput over plain's) with
+        the closed ones (`RoundPolicy.goodput`)."""
         drafter = self.model_runner.drafter
         policy = drafter.policy
         return {**policy.clock.samples(), **drafter.timed_at_start_up(),
                 "shared": {b: vars(c) for b, c in policy.shared_costs.items()},
-                "goodput": {"ratios": policy.gate.ratios(), "closed": policy.shared_closed}}
+                "goodput": policy.goodput()}
 
     def selfspec_time_step_pieces(self, start: bool = False) -> dict | None:
         """Calls and seconds of each timed piece of the runner's steps since

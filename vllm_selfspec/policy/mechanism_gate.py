@@ -71,6 +71,7 @@ class MechanismGate:
     # back from the engine's measured one).
     mechanism_steps: float = 0.0
     steps: float = 0.0
+    mechanism_trials: int = 0  # rounds offered to the mechanism as trials
 
     def __post_init__(self) -> None:
         if (self.min_reached <= 0 or min(self.trial_every, self.retrial_every) < 2
@@ -145,6 +146,7 @@ class MechanismGate:
         speeds = self.speeds(costs, batch_size, max_drafts, step_share)
         chosen = speeds is not None and speeds[0] > (1.0 + MIN_GAIN) * speeds[1]
         if self.rounds % (self.trial_every if speeds is None else self.retrial_every) == 0:
+            self.mechanism_trials += not chosen
             return SourceChoice(mechanism=not chosen, trial=True)
         return SourceChoice(mechanism=chosen)
 
@@ -160,7 +162,8 @@ class MechanismGate:
                 "base_round_length": rounded(
                     self.base.drafted / self.base.rounds if self.base.rounds else None),
                 "mechanism_share_of_steps": rounded(
-                    self.mechanism_steps / self.steps if self.steps else None)}
+                    self.mechanism_steps / self.steps if self.steps else None),
+                "mechanism_trials": self.mechanism_trials}
 
 
 @dataclass
@@ -173,12 +176,23 @@ class RoundSources:
     gate: MechanismGate = field(default_factory=MechanismGate)
     base_stop: ConfidenceStop = field(default_factory=lambda: ConfidenceStop(REFERENCE_RULE))
     by_request: dict[str, SourceChoice] = field(default_factory=dict)
+    declined_by_mechanism: int = 0  # its rounds the base drafted (`fall_back`)
 
     def choose(self, req_ids: list[str], costs: StepCosts | None,
                max_drafts: tuple[int, int], step_share: float) -> SourceChoice:
         """This self-drafting round's source for `req_ids` (the gate's
         `next_round`), noted for each request's verification."""
         source = self.gate.next_round(costs, len(req_ids), max_drafts, step_share)
+        self.by_request.update(dict.fromkeys(req_ids, source))
+        return source
+
+    def fall_back(self, req_ids: list[str]) -> SourceChoice:
+        """The base drafts a round given to the mechanism whose own choice
+        drafts nothing (DEL's exits where no exit pays for any of the
+        requests): the round drafts as the base's would, not at all. Counted
+        as declined by the mechanism."""
+        self.declined_by_mechanism += 1
+        source = SourceChoice(mechanism=False)
         self.by_request.update(dict.fromkeys(req_ids, source))
         return source
 
@@ -203,3 +217,7 @@ class RoundSources:
 
     def per_request_state(self) -> dict[str, int]:
         return {"base_thresholds": len(self.base_stop), "request_sources": len(self.by_request)}
+
+    def describe(self) -> dict:
+        """The gate's report and the rounds the mechanism declined."""
+        return {**self.gate.describe(), "declined_by_mechanism": self.declined_by_mechanism}

@@ -161,8 +161,13 @@ class RoundPolicy:
         self.forward_times: ForwardTimes | None = None  # profiling mode, at start-up
         self.shared_costs: dict[int, StepCosts] = {}  # per batch size, rank 0's
         # Whether drafting rounds pay, measured; rank 0's closed buckets, shared.
+        # Rounds that self-drafted and rounds that only looked up are scored
+        # apart: a lookup costs its verification alone, so where self-drafts
+        # lose, lookups may still pay, and the other way round.
         self.gate = GoodputGate()
+        self.lookup_gate = GoodputGate()
         self.shared_closed: dict[int, float] = {}
+        self.shared_lookup_closed: dict[int, float] = {}
         self._costs_of_round: tuple[int, StepCosts | None | bool] | None = None  # (round, costs)
         self._held_requests = 0  # requests vLLM held when state was last pruned
         self._quiet_until = 0  # rounds before this one may repeat the last decline
@@ -351,20 +356,36 @@ class RoundPolicy:
 
     # --- costs -----------------------------------------------------------------
     def timed_costs(self, batch_size: int) -> StepCosts | None | bool:
-        """This round's costs when cost-aware (None: it times a plain step and
-        drafts nothing, not even a lookup), False when not cost-aware. Runs once
-        per round: sharing the costs is a tensor-parallel collective."""
+        """This round's costs for self-drafts when cost-aware (None: it
+        self-drafts nothing: a plain step to time, or a batch size where
+        self-drafting rounds were measured not to pay), False when not
+        cost-aware."""
+        return self._gated_costs(batch_size, lookups=False)
+
+    def lookup_costs(self, batch_size: int) -> StepCosts | None | bool:
+        """`timed_costs` for lookups: None where rounds that only looked up
+        were measured not to pay (or a plain step is to be timed), whatever
+        self-drafts do at this batch size."""
+        return self._gated_costs(batch_size, lookups=True)
+
+    def _gated_costs(self, batch_size: int, lookups: bool) -> StepCosts | None | bool:
         if not self.options.cost_aware:
             return False
+        # Once per round: sharing the costs is a tensor-parallel collective.
         if self._costs_of_round is None or self._costs_of_round[0] != self.counters.rounds:
             self._costs_of_round = (self.counters.rounds, self._round_costs(batch_size))
-        return self._costs_of_round[1]
+        costs = self._costs_of_round[1]
+        if costs is None or self.closed(batch_size, self.counters.rounds, lookups):
+            return None
+        return costs
 
     def _round_costs(self, batch_size: int) -> StepCosts | None:
         """This round's costs from the engine's timed rounds, the same on every
         tensor-parallel rank (rank 0's, shared on the round clock); None when
         this round should draft nothing to time a plain step (none timed yet,
-        none at a batch size of this one's bucket, or the newest is old)."""
+        none at a batch size of this one's bucket, or the newest is old).
+        Whether the goodput gates closed its batch size is asked apart
+        (`closed`)."""
         rounds = self.counters.rounds
         if self.forward_times is None:  # not timed at start-up (e.g. cost_aware switched on)
             self.forward_times = self._time_forwards()
@@ -372,10 +393,9 @@ class RoundPolicy:
         # on every rank; only rank 0's timings are used.
         ready = self.clock.plain_rounds() >= PLAIN_ROUNDS_FIRST
         if ready and (rounds % SHARE_EVERY == 0 or not self.shared_costs):
-            self.shared_costs, self.shared_closed = self._share(
-                lambda: (self.clock.costs(self.prior_at), self.gate.closed()))
-        if self.closed(batch_size, rounds):
-            return None
+            self.shared_costs, self.shared_closed, self.shared_lookup_closed = self._share(
+                lambda: (self.clock.costs(self.prior_at), self.gate.closed(),
+                         self.lookup_gate.closed()))
         if not self.shared_costs:
             return self.prior_at(batch_size) if rounds >= NOT_STEADY_ROUNDS else None
         if (rounds % SHARE_EVERY == 1
@@ -383,15 +403,23 @@ class RoundPolicy:
             return None  # the newest plain times are stale
         return costs_for(self.shared_costs, batch_size)
 
-    def closed(self, batch_size: int, rounds: int) -> bool:
-        """Round `rounds` drafts nothing: cost-aware, its batch's bucket is
-        closed (its drafting rounds were not measured to beat plain ones by the
-        gate's margin) and this is not one of the bucket's tries
-        (`reopen_interval`)."""
-        ratio = self.shared_closed.get(batch_bucket(batch_size))
+    def closed(self, batch_size: int, rounds: int, lookups: bool = False) -> bool:
+        """Round `rounds` self-drafts nothing (with `lookups`: looks nothing
+        up): cost-aware, its batch's bucket is closed (such rounds were not
+        measured to beat plain ones by the gate's margin) and this is not one
+        of the bucket's tries (`reopen_interval`)."""
+        closed = self.shared_lookup_closed if lookups else self.shared_closed
+        ratio = closed.get(batch_bucket(batch_size))
         return (bool(self.options.cost_aware) and ratio is not None
                 and rounds % reopen_interval(ratio, self.options.probe_every,
                                              PROBE_SHARE) != 0)
+
+    def goodput(self) -> dict[str, dict[str, dict[int, float]]]:
+        """Per kind of round (self-drafting, lookup-only): each batch
+        bucket's measured throughput over plain's, and the buckets closed."""
+        return {"self_drafts": {"ratios": self.gate.ratios(), "closed": self.shared_closed},
+                "lookups": {"ratios": self.lookup_gate.ratios(),
+                            "closed": self.shared_lookup_closed}}
 
     # --- what the round that just ended measured ------------------------------
     def _score_previous_round(self, req_ids: list[str], verified: list[int] | None,
@@ -410,8 +438,12 @@ class RoundPolicy:
         # drafting many times faster than plain and keep it open at a loss.
         plain = self.clock.plain_seconds_at(len(req_ids), min_samples=PLAIN_ROUNDS_FIRST)
         if plain is not None:
-            self.gate.record(len(req_ids), len(req_ids) + sum(accepted_now.values()),
-                             started - previous.started, plain)
+            # A round that self-drafted at all is the self-drafts' (with its
+            # lookups, if any: they ran beside them); one that only looked up,
+            # the lookups'.
+            gate = self.lookup_gate if previous.looked_up and previous.steps == 0 else self.gate
+            gate.record(len(req_ids), len(req_ids) + sum(accepted_now.values()),
+                        started - previous.started, plain)
 
     def _steady_previous_round(self, req_ids: list[str], verified: list[int] | None,
                                num_tokens: int) -> RoundTiming | None:

@@ -200,6 +200,12 @@ class SelfSpecProposer(DraftModelProposer):
         (called before its first draft step, after its source is chosen:
         `self.source`)."""
 
+    def mechanism_drafts(self) -> bool:
+        """Whether the method's own choice for this round (made in
+        `begin_round`) drafts for any request; where it does not, the base
+        drafts the round. Default: it does."""
+        return True
+
     def per_request_state(self) -> dict[str, int]:
         """Requests with state held now, per kind of state: the requests vLLM
         holds at most, so growth after requests finish is a leak."""
@@ -383,7 +389,8 @@ class SelfSpecProposer(DraftModelProposer):
             return False  # drafts were verified: feedback first
         policy = self.policy
         if self.options.lookup and not policy.closed(
-                len(self.runner.input_batch.req_ids), policy.counters.rounds + 1):
+                len(self.runner.input_batch.req_ids), policy.counters.rounds + 1,
+                lookups=True):
             return False  # lookup needs the sampled tokens: `propose` decides
         if policy.repeat_decline(self.runner.input_batch.req_ids, self.runner.requests,
                                  num_tokens):
@@ -434,7 +441,7 @@ class SelfSpecProposer(DraftModelProposer):
             for req_id, accepted, scheduled in feedback.self_drafted:
                 self._observe_source(req_id, accepted, scheduled)
             may_draft = self._may_draft(req_ids)
-            costs = policy.timed_costs(batch_size) if self.options.lookup else None
+            costs = policy.lookup_costs(batch_size) if self.options.lookup else None
             if costs is not None:
                 rows = self.draft_by_lookup(req_ids, target_token_ids, next_token_ids,
                                             common_attn_metadata, feedback.accepted, drafts,
@@ -479,8 +486,6 @@ class SelfSpecProposer(DraftModelProposer):
                                               REFERENCE_MAX_DRAFTS)),
             self.mechanism_share(req_ids))
         self.source = source
-        if source.trial:
-            self.policy.note_trials(req_ids)
         return source
 
     def _start_round(self, req_ids: list[str], verified: list[int] | None,
@@ -531,6 +536,10 @@ class SelfSpecProposer(DraftModelProposer):
             target_token_ids, target_hidden_states, next_token_ids,
             token_indices_to_sample, common_attn_metadata.query_start_loc[:batch_size],
             target_positions, common_attn_metadata))
+        if source is not None and source.mechanism and not self.mechanism_drafts():
+            source = self.source = self.sources.fall_back(req_ids)
+        if source is not None and source.trial:
+            self.policy.note_trials(req_ids)
         base_round = source is not None and not source.mechanism
         num_steps = min(decision.steps, REFERENCE_MAX_DRAFTS) if base_round else decision.steps
         positions = target_positions[token_indices_to_sample]

@@ -212,6 +212,10 @@ class DelProposer(EarlyExitProposer):
                     **vars(choice), "step_overhead": overhead,
                     "acceptance_per_layer": self.exit_stats[req_id].acceptance().tolist()})
 
+    def mechanism_drafts(self) -> bool:
+        """Some request's exit pays this round (its TPL chose a length)."""
+        return self.plan is not None and any(c.max_drafts > 0 for c in self.plan.choices)
+
     def time_costs(self) -> None:
         super().time_costs()
         self.step_overhead()
