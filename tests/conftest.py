@@ -45,7 +45,7 @@ ENGINE_DEFAULTS = dict(
 # stops the session before any engine starts (minutes saved on a broken tree).
 ENGINE_FREE_MODULES = ("test_config", "test_patches", "test_exit_stats",
                        "test_draft_weights", "test_safety", "test_round_policy",
-                       "test_benchmark")
+                       "test_mechanism_gate", "test_benchmark")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

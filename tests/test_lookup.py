@@ -89,11 +89,34 @@ def test_a_request_without_repeats_self_drafts(skip_set_with_lookup, plain):
 
 def suffix_lookup(max_cached_requests: int = 4):
     from vllm_selfspec.config import LOOKUP_DEFAULTS
-    from vllm_selfspec.draft.lookup import SuffixLookup
+    from vllm_selfspec.draft.lookup import make_lookup
 
     settings = {**LOOKUP_DEFAULTS, "source": "suffix",
                 "max_cached_requests": max_cached_requests}
-    return SuffixLookup(settings, max_model_len=1000)
+    return make_lookup(settings, max_model_len=1000)
+
+
+def test_each_lookup_source_drafts_through_one_interface():
+    """The `lookup` option makes its source (none when off): the n-gram
+    matcher, stateless and sized by the budget, or the suffix trees, which
+    size each draft and hold a tree per live request until it is forgotten."""
+    from vllm_selfspec.config import LOOKUP_DEFAULTS
+    from vllm_selfspec.draft.lookup import NgramLookup, SuffixLookup, make_lookup
+
+    assert make_lookup(None, 1000) is None and make_lookup({}, 1000) is None
+    ngram = make_lookup({**LOOKUP_DEFAULTS, "source": "ngram"}, 1000)
+    assert isinstance(ngram, NgramLookup) and not ngram.sets_length
+    context = np.asarray([1, 2, 3, 4, 9, 1, 2, 3], dtype=np.int32)
+    found = ngram.drafts(iter([(0, "a", context), (1, "b", context)]), [2, 0],
+                         np.array([3, 3]))
+    assert {row: draft.tolist() for row, draft in found.items()} == {0: [4, 9]}
+    assert ngram.per_request_state() == {}
+    suffix = suffix_lookup()
+    assert isinstance(suffix, SuffixLookup) and suffix.sets_length
+    one_request(suffix, "a", [1, 2, 3], [4, 5])
+    assert suffix.per_request_state() == {"suffix_trees": 1}
+    suffix.forget(set())
+    assert suffix.per_request_state() == {"suffix_trees": 0}
 
 
 def one_request(lookup, req_id: str, prompt: list[int], output: list[int], length: int = 4):

@@ -152,9 +152,7 @@ class SelfSpecWorkerExtension:
         the closed ones (`RoundPolicy.goodput`)."""
         drafter = self.model_runner.drafter
         policy = drafter.policy
-        return {**policy.clock.samples(), **drafter.timed_at_start_up(),
-                "shared": {b: vars(c) for b, c in policy.shared_costs.items()},
-                "goodput": policy.goodput()}
+        return {**policy.timings(), **drafter.timed_at_start_up()}
 
     def selfspec_time_step_pieces(self, start: bool = False) -> dict | None:
         """Calls and seconds of each timed piece of the runner's steps since
@@ -163,7 +161,7 @@ class SelfSpecWorkerExtension:
 
     def selfspec_counters(self) -> dict:
         """Rounds (target forwards), draft steps and draft layers run so far."""
-        return vars(self.model_runner.drafter.policy.counters).copy()
+        return self.model_runner.drafter.policy.work_done()
 
     def selfspec_draft_output_rows(self, num_tokens: int) -> dict[str, int]:
         """How many rows each of the drafter's drafts (the drafting one, and the

@@ -21,6 +21,7 @@ accepted: the verified drafts vLLM kept and the token it sampled.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 import numpy as np
 from vllm.logger import init_logger
@@ -56,20 +57,60 @@ def request_contexts(req_ids: list[str], discarded: np.ndarray, token_ids: np.nd
                 accepted.get(req_id, 0), next_tokens[row])
 
 
-def lookup_drafts(contexts: Iterator[tuple[int, str, np.ndarray]], lengths: list[int],
-                  settings: dict, max_model_len: int) -> dict[int, np.ndarray]:
-    """Each row's n-gram lookup draft where the request's own text offers a
-    match, in row order: at most `lengths[row]` tokens (none where that is 0);
-    `settings` is the method's `lookup` option."""
-    found: dict[int, np.ndarray] = {}
-    for row, _, context in contexts:
-        if not lengths[row]:
-            continue
-        draft = lookup_draft(context, settings["min_match"], settings["max_match"],
-                             max_model_len, lengths[row])
-        if len(draft):
-            found[row] = draft
-    return found
+class Lookup(Protocol):
+    """A lookup source, as the drafter uses it."""
+
+    # Whether the source sizes each draft itself (`RoundPolicy.lookup_lengths`).
+    sets_length: bool
+
+    def drafts(self, contexts: Iterator[tuple[int, str, np.ndarray]], lengths: list[int],
+               num_prompt_tokens: np.ndarray) -> dict[int, np.ndarray]:
+        """Each row's draft where the source offers one, at most
+        `lengths[row]` tokens (none where that is 0), in row order."""
+
+    def forget(self, live_req_ids: set[str]) -> None:
+        """Drop the state of requests vLLM no longer holds."""
+
+    def per_request_state(self) -> dict[str, int]:
+        """Requests with state held now, per kind of state."""
+
+
+def make_lookup(settings: dict | None, max_model_len: int) -> Lookup | None:
+    """The method's `lookup` option's source, ready to draft (None: off)."""
+    if not settings:
+        return None
+    if settings["source"] == "suffix":
+        return SuffixLookup(settings, max_model_len)
+    return NgramLookup(settings, max_model_len)
+
+
+class NgramLookup:
+    """vLLM's n-gram matcher over each request's own tokens; no state."""
+
+    sets_length = False
+
+    def __init__(self, settings: dict, max_model_len: int):
+        self.settings = settings
+        self.max_model_len = max_model_len
+        compile_lookup(max_model_len)
+
+    def drafts(self, contexts: Iterator[tuple[int, str, np.ndarray]], lengths: list[int],
+               num_prompt_tokens: np.ndarray) -> dict[int, np.ndarray]:
+        found: dict[int, np.ndarray] = {}
+        for row, _, context in contexts:
+            if not lengths[row]:
+                continue
+            draft = lookup_draft(context, self.settings["min_match"],
+                                 self.settings["max_match"], self.max_model_len, lengths[row])
+            if len(draft):
+                found[row] = draft
+        return found
+
+    def forget(self, live_req_ids: set[str]) -> None:
+        pass
+
+    def per_request_state(self) -> dict[str, int]:
+        return {}
 
 
 class SuffixLookup:
@@ -78,7 +119,9 @@ class SuffixLookup:
     the cache's tree of past responses (a request's response joins it when
     the request starts and stays until `max_cached_requests` newer ones
     evict it). Built from tokens alone, so alike on every tensor-parallel
-    rank."""
+    rank. Its frequency estimate sizes each draft (`sets_length`)."""
+
+    sets_length = True
 
     def __init__(self, settings: dict, max_model_len: int):
         from arctic_inference.suffix_decoding import SuffixDecodingCache
@@ -133,6 +176,9 @@ class SuffixLookup:
         for req_id in set(self.fed) - live_req_ids:
             del self.fed[req_id]
             self.cache.stop_request(req_id)
+
+    def per_request_state(self) -> dict[str, int]:
+        return {"suffix_trees": len(self.fed)}
 
     def describe(self) -> dict:
         """Trees held and the past responses' tree's estimated bytes (read

@@ -414,12 +414,45 @@ class RoundPolicy:
                 and rounds % reopen_interval(ratio, self.options.probe_every,
                                              PROBE_SHARE) != 0)
 
+    def next_round_closed(self, batch_size: int, lookups: bool = False) -> bool:
+        """`closed` for the round about to start."""
+        return self.closed(batch_size, self.counters.rounds + 1, lookups)
+
+    # --- what the engine and its diagnostics read ---------------------------------
+    @property
+    def round_index(self) -> int:
+        """The rounds (target forwards) counted so far: the current round's index."""
+        return self.counters.rounds
+
+    def add_draft_step(self, layers: float) -> None:
+        """A draft step ran through `layers` of the target's layers."""
+        self.counters.add_step(layers)
+
+    def work_done(self) -> dict[str, float]:
+        """Rounds, draft steps and draft layers run so far."""
+        return vars(self.counters).copy()
+
+    def plain_seconds(self, batch_size: int) -> float | None:
+        """A plain round's seconds at the nearest batch size timed (median)."""
+        return self.clock.plain_seconds(batch_size)
+
+    def was_looked_up(self, req_id: str) -> bool:
+        """Whether the request's newest drafts were looked up."""
+        return req_id in self.looked_up
+
     def goodput(self) -> dict[str, dict[str, dict[int, float]]]:
         """Per kind of round (self-drafting, lookup-only): each batch
         bucket's measured throughput over plain's, and the buckets closed."""
         return {"self_drafts": {"ratios": self.gate.ratios(), "closed": self.shared_closed},
                 "lookups": {"ratios": self.lookup_gate.ratios(),
                             "closed": self.shared_lookup_closed}}
+
+    def timings(self) -> dict:
+        """The timed rounds per kind and batch size, the costs shared now
+        (per batch size, in plain steps) and the goodput gates' report."""
+        return {**self.clock.samples(),
+                "shared": {size: vars(costs) for size, costs in self.shared_costs.items()},
+                "goodput": self.goodput()}
 
     # --- what the round that just ended measured ------------------------------
     def _score_previous_round(self, req_ids: list[str], verified: list[int] | None,

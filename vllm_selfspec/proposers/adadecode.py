@@ -230,7 +230,7 @@ class AdaDecodeProposer(EarlyExitProposer):
                 exited |= take
                 if bool(exited.all()):
                     break
-        self.policy.counters.add_step(segment.end)
+        self.policy.add_draft_step(segment.end)
         self._early_drafts += early
         if isinstance(self._round_sources, torch.Tensor) and (
                 step < self._round_sources.shape[1]):
@@ -255,7 +255,7 @@ class AdaDecodeProposer(EarlyExitProposer):
                     self.input_ids[:batch_size], self._get_positions(batch_size),
                     hidden_states, residual)
             logits = self.model.compute_logits(head_input)
-        self.policy.counters.add_step(segment.end)
+        self.policy.add_draft_step(segment.end)
         return DraftStep(logits, drafting, by_mechanism=torch.zeros_like(drafting))
 
 

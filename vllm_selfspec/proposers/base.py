@@ -63,9 +63,8 @@ from vllm_selfspec.draft.model import (
 )
 from vllm_selfspec.draft.plan import LayerPlan
 from vllm_selfspec.draft.lookup import (
-    SuffixLookup,
-    compile_lookup,
-    lookup_drafts,
+    Lookup,
+    make_lookup,
     request_contexts,
 )
 from vllm_selfspec.draft.sampling import DraftSampler
@@ -133,7 +132,7 @@ class SelfSpecProposer(DraftModelProposer):
         # draft ([batch, k] bools on the device; None: the round ran no draft
         # step), read once the drafts reach the host (`draft_sources`).
         self._by_mechanism: torch.Tensor | None = None
-        self.suffix_lookup: SuffixLookup | None = None  # lookup source "suffix"
+        self.lookup: Lookup | None = None  # the `lookup` option's source
         # The mechanism against the full-depth base (`full_depth`; set at load
         # for a method with a mechanism): the base's draft, the sources'
         # per-request state and gate, the mechanism's draft step over the
@@ -209,10 +208,9 @@ class SelfSpecProposer(DraftModelProposer):
     def per_request_state(self) -> dict[str, int]:
         """Requests with state held now, per kind of state: the requests vLLM
         holds at most, so growth after requests finish is a leak."""
-        trees = {} if self.suffix_lookup is None else {
-            "suffix_trees": len(self.suffix_lookup.fed)}
+        lookup = {} if self.lookup is None else self.lookup.per_request_state()
         base = {} if self.sources is None else self.sources.per_request_state()
-        return {**self.policy.per_request_state(), **trees, **base}
+        return {**self.policy.per_request_state(), **lookup, **base}
 
     # --- vLLM's proposer interface -------------------------------------------
     def draft_depth(self, num_layers: int) -> int:
@@ -242,11 +240,8 @@ class SelfSpecProposer(DraftModelProposer):
         self._draft_attn_layer_names = {
             layer.self_attn.attn.layer_name for layer in layers
         }
-        if self.options.lookup and self.options.lookup["source"] == "suffix":
-            self.suffix_lookup = SuffixLookup(self.options.lookup,
-                                              self.vllm_config.model_config.max_model_len)
-        elif self.options.lookup:
-            compile_lookup(self.vllm_config.model_config.max_model_len)
+        self.lookup = make_lookup(self.options.lookup,
+                                  self.vllm_config.model_config.max_model_len)
 
     def build_draft(self, num_layers: int) -> nn.Module:
         return self._build_draft(self.layer_plan(num_layers))
@@ -388,9 +383,8 @@ class SelfSpecProposer(DraftModelProposer):
         if spec_decode_metadata is not None:
             return False  # drafts were verified: feedback first
         policy = self.policy
-        if self.options.lookup and not policy.closed(
-                len(self.runner.input_batch.req_ids), policy.counters.rounds + 1,
-                lookups=True):
+        if self.lookup is not None and not policy.next_round_closed(
+                len(self.runner.input_batch.req_ids), lookups=True):
             return False  # lookup needs the sampled tokens: `propose` decides
         if policy.repeat_decline(self.runner.input_batch.req_ids, self.runner.requests,
                                  num_tokens):
@@ -441,7 +435,7 @@ class SelfSpecProposer(DraftModelProposer):
             for req_id, accepted, scheduled in feedback.self_drafted:
                 self._observe_source(req_id, accepted, scheduled)
             may_draft = self._may_draft(req_ids)
-            costs = policy.lookup_costs(batch_size) if self.options.lookup else None
+            costs = policy.lookup_costs(batch_size) if self.lookup is not None else None
             if costs is not None:
                 rows = self.draft_by_lookup(req_ids, target_token_ids, next_token_ids,
                                             common_attn_metadata, feedback.accepted, drafts,
@@ -499,8 +493,8 @@ class SelfSpecProposer(DraftModelProposer):
             self.forget_finished(live)
             if self.sources is not None:
                 self.sources.forget(live)
-            if self.suffix_lookup is not None:
-                self.suffix_lookup.forget(live)
+            if self.lookup is not None:
+                self.lookup.forget(live)
 
     def _may_draft(self, req_ids: list[str]) -> list[bool]:
         """Per request: it has a token to continue from. One whose prompt is
@@ -588,11 +582,10 @@ class SelfSpecProposer(DraftModelProposer):
         as scheduled): LOOKUP, MECHANISM or BASE (`integration/token_sources.py`).
         Called once the drafts are on the host, so reading the device mask
         waits for nothing."""
-        looked_up = self.policy.looked_up
         by_mechanism = None if self._by_mechanism is None else self._by_mechanism.tolist()
         codes = []
         for row, (req_id, drafts) in enumerate(zip(req_ids, rows)):
-            if req_id in looked_up:
+            if self.policy.was_looked_up(req_id):
                 codes.append(LOOKUP * len(drafts))
             elif by_mechanism is None:
                 codes.append(BASE * len(drafts))
@@ -617,22 +610,17 @@ class SelfSpecProposer(DraftModelProposer):
                         next_token_ids: torch.Tensor, cad: CommonAttentionMetadata,
                         accepted: dict[str, int], drafts: torch.Tensor,
                         costs: StepCosts | Literal[False]) -> list[int]:
-        """Fill `drafts` for the requests whose own text offers a match
+        """Fill `drafts` for the requests the lookup source offers a draft
         (draft/lookup.py); returns their rows."""
         batch = self.runner.input_batch
-        settings = self.options.lookup
-        lengths = self.policy.lookup_lengths(req_ids, costs,
-                                             min(drafts.shape[1], settings["max_tokens"]),
-                                             source_sets_length=self.suffix_lookup is not None)
+        lengths = self.policy.lookup_lengths(
+            req_ids, costs, min(drafts.shape[1], self.options.lookup["max_tokens"]),
+            source_sets_length=self.lookup.sets_length)
         contexts = request_contexts(
             req_ids, self.runner.discard_request_mask.np, batch.token_ids_cpu,
             batch.num_tokens_no_spec, step_tokens.tolist(), cad.query_start_loc_cpu.tolist(),
             next_token_ids.tolist(), accepted)
-        if self.suffix_lookup is not None:
-            found = self.suffix_lookup.drafts(contexts, lengths, batch.num_prompt_tokens)
-        else:
-            found = lookup_drafts(contexts, lengths, settings,
-                                  self.vllm_config.model_config.max_model_len)
+        found = self.lookup.drafts(contexts, lengths, batch.num_prompt_tokens)
         for row, tokens in found.items():
             drafts[row, :len(tokens)] = torch.from_numpy(tokens).to(drafts.device)
         return list(found)
@@ -674,7 +662,7 @@ class SelfSpecProposer(DraftModelProposer):
                 positions=self._get_positions(batch_size),
             )
         plan = model.plan
-        self.policy.counters.add_step(plan.fraction_run * plan.num_layers)
+        self.policy.add_draft_step(plan.fraction_run * plan.num_layers)
         return DraftStep(model.compute_logits(hidden_states[:batch_size]),
                          by_mechanism=plan.fraction_run < 1.0)
 

@@ -339,7 +339,7 @@ class DelProposer(EarlyExitProposer):
                 if chosen is None:
                     chosen = logits.new_zeros(batch_size, logits.shape[-1])
                 chosen[index] = logits
-        self.policy.counters.add_step(deepest)
+        self.policy.add_draft_step(deepest)
         confidence = top1_probability(chosen)
         num_layers = self.model.plan.num_layers
         early = torch.tensor([e < num_layers for e in exit_layers], device=self.device)

@@ -262,7 +262,7 @@ class SwiftProposer(SelfSpecProposer):
         costs = (self.policy.timed_costs(len(req_ids))
                  if self.options.cost_aware else None)  # a drafting round has costs
         if (self.engine_steps % self.options.optimise_every == 0
-                and (costs is None or self.policy.counters.rounds >= self.next_search_round)):
+                and (costs is None or self.policy.round_index >= self.next_search_round)):
             started, frames = time.perf_counter(), compiled_frames()
             scored = self.optimise(req_ids, tasks, verified, costs)
             seconds = time.perf_counter() - started
@@ -351,9 +351,9 @@ class SwiftProposer(SelfSpecProposer):
     def space_search(self, batch_size: int, seconds: float) -> None:
         """The next search step waits until this one's cost (rank 0's, in its
         plain steps) is at most `search_share` of the rounds since."""
-        plain = self.policy.clock.plain_seconds(batch_size)
+        plain = self.policy.plain_seconds(batch_size)
         cost = self.agreed(None if plain is None else seconds / plain)
-        self.next_search_round = self.policy.counters.rounds + rounds_until_next_search(
+        self.next_search_round = self.policy.round_index + rounds_until_next_search(
             cost, self.options.search_share)
 
     def scoring_row(self, task, req_ids, tasks, verified) -> int | None:
