@@ -722,3 +722,37 @@ def test_lookups_and_self_drafts_are_gated_apart(lookups_pay):
     rounds = policy.counters.rounds
     assert policy.closed(len(batch), rounds, lookups=not lookups_pay)
     assert not policy.closed(len(batch), rounds, lookups=lookups_pay)
+
+
+def test_a_try_of_a_bucket_closed_to_lookups_is_decided_not_repeated():
+    """Where self-drafts decline by their budgets (so rounds repeat the last
+    decline without deciding, `repeat_decline`) and lookup rounds were
+    measured at half a plain round's speed (the bucket closed to lookups),
+    each of the bucket's tries still decides, so lookups may draft in it:
+    a try must not fall inside a run of repeated declines."""
+    import time
+
+    from vllm_selfspec.policy.payoff import StepCosts
+
+    policy = round_policy(probe_every=8)
+    policy.forward_times = SimpleNamespace(
+        prior_at=lambda batch_size, max_drafts: StepCosts(per_draft=0.2, round_overhead=0.5))
+    for _ in range(4):
+        policy.lookup_gate.record(1, 1, 0.2, plain_seconds=0.1)
+    req_ids, held = ["a"], {"a": None}
+    tries, repeated = 0, 0
+    for _ in range(400):
+        is_try = (bool(policy.goodput()["lookups"]["closed"])
+                  and not policy.next_round_closed(1, lookups=True))
+        if policy.repeat_decline(req_ids, held, 1):
+            assert not is_try, policy.round_index
+            repeated += 1
+            continue
+        tries += is_try
+        started = time.perf_counter()
+        policy.start_round(req_ids, held, None, 1, started)
+        decision = policy.decide(req_ids, 4, [True])
+        now = time.perf_counter()
+        policy.end_round(req_ids, 0 if decision is None else 1, started if decision is None
+                         else now, now)
+    assert repeated > 250 and tries >= 3, (repeated, tries)

@@ -196,7 +196,8 @@ class RoundPolicy:
         previous = self._previous_round
         if (previous is None or self.counters.rounds + 1 >= self._quiet_until
                 or num_tokens != len(previous.req_ids)
-                or not self._same_requests(req_ids, held)):
+                or not self._same_requests(req_ids, held)
+                or self._lookup_try(len(req_ids), self.counters.rounds + 1)):
             return False
         started = time.perf_counter()
         self._time_previous_round(previous.req_ids, None, num_tokens, started)
@@ -413,6 +414,12 @@ class RoundPolicy:
         return (bool(self.options.cost_aware) and ratio is not None
                 and rounds % reopen_interval(ratio, self.options.probe_every,
                                              PROBE_SHARE) != 0)
+
+    def _lookup_try(self, batch_size: int, rounds: int) -> bool:
+        """Round `rounds` is a try of a bucket closed to lookups (it must
+        decide: lookups may draft in it)."""
+        return (batch_bucket(batch_size) in self.shared_lookup_closed
+                and not self.closed(batch_size, rounds, lookups=True))
 
     def next_round_closed(self, batch_size: int, lookups: bool = False) -> bool:
         """`closed` for the round about to start."""
