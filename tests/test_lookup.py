@@ -98,22 +98,29 @@ def suffix_lookup(max_cached_requests: int = 4):
 
 def test_each_lookup_source_drafts_through_one_interface():
     """The `lookup` option makes its source (none when off): the n-gram
-    matcher, stateless and sized by the budget, or the suffix trees, which
-    size each draft and hold a tree per live request until it is forgotten."""
+    matcher, stateless and sized by the request's record, or the suffix
+    trees, which estimate each prefix's chance of acceptance (falling along
+    the draft) and hold a tree per live request until it is forgotten."""
     from vllm_selfspec.config import LOOKUP_DEFAULTS
     from vllm_selfspec.draft.lookup import NgramLookup, SuffixLookup, make_lookup
 
     assert make_lookup(None, 1000) is None and make_lookup({}, 1000) is None
     ngram = make_lookup({**LOOKUP_DEFAULTS, "source": "ngram"}, 1000)
-    assert isinstance(ngram, NgramLookup) and not ngram.sets_length
+    assert isinstance(ngram, NgramLookup) and not ngram.sizes_drafts
     context = np.asarray([1, 2, 3, 4, 9, 1, 2, 3], dtype=np.int32)
     found = ngram.drafts(iter([(0, "a", context), (1, "b", context)]), [2, 0],
                          np.array([3, 3]))
-    assert {row: draft.tolist() for row, draft in found.items()} == {0: [4, 9]}
+    assert {row: draft.tokens.tolist() for row, draft in found.items()} == {0: [4, 9]}
+    assert found[0].path_probabilities is None
     assert ngram.per_request_state() == {}
     suffix = suffix_lookup()
-    assert isinstance(suffix, SuffixLookup) and suffix.sets_length
-    one_request(suffix, "a", [1, 2, 3], [4, 5])
+    assert isinstance(suffix, SuffixLookup) and suffix.sizes_drafts
+    context = np.asarray([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3], dtype=np.int32)
+    draft = suffix.drafts(iter([(0, "a", context)]), [4], np.array([len(context)]))[0]
+    assert draft.tokens.tolist()[0] in (4, 5)
+    probabilities = draft.path_probabilities
+    assert len(probabilities) == len(draft.tokens) and 0 < probabilities[0] <= 1
+    assert probabilities == sorted(probabilities, reverse=True)
     assert suffix.per_request_state() == {"suffix_trees": 1}
     suffix.forget(set())
     assert suffix.per_request_state() == {"suffix_trees": 0}
@@ -126,7 +133,7 @@ def one_request(lookup, req_id: str, prompt: list[int], output: list[int], lengt
     for end in range(1, len(output) + 1):
         context = np.asarray(prompt + output[:end], dtype=np.int32)
         found = lookup.drafts(iter([(0, req_id, context)]), [length], np.array([len(prompt)]))
-    return found.get(0, np.array([], dtype=np.int64)).tolist()
+    return found[0].tokens.tolist() if 0 in found else []
 
 
 def test_the_suffix_source_drafts_another_requests_answer_and_stays_bounded():

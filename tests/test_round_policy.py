@@ -227,14 +227,24 @@ def test_lookup_length_follows_the_requests_own_lookups():
     assert policy.per_request_state() == {"self_records": 1, "lookup_records": 2,
                                           "looked_up": 2, "trials": 0}
     assert policy.lookup_lengths(["copy", "chat"], False, 12) == [12, 12]
-    # A source that sizes its drafts itself (suffix trees) gets the cap
-    # wherever some length pays, a new request's included (its prior pays),
-    # and keeps the record's 0 and probe token where none does.
+    # A source that estimates each draft's chance itself (suffix trees) gets
+    # the cap for every request, "chat" included: each draft is then cut by
+    # its own estimate at the round's lookup costs.
     policy.counters.rounds = 35
     assert policy.lookup_lengths(["copy", "chat", "new"], costs, 12,
-                                 source_sets_length=True) == [12, 0, 12]
-    policy.counters.rounds = 34
-    assert policy.lookup_lengths(["chat"], costs, 12, source_sets_length=True) == [1]
+                                 source_sizes_drafts=True) == [12, 12, 12]
+    # Lookup rounds timed with no fixed extra, as engines time them.
+    timed = StepCosts(per_draft=0.8, round_overhead=0.3, per_verified=0.04,
+                      lookup_overhead=0.0)
+    sure, parting = [1.0, 1.0, 0.9, 0.5, 0.2, 0.1], [0.3, 0.1]
+    # A 1-in-10 tail token is not worth its verification (0.04 plain steps).
+    assert policy.source_draft_length(sure, 1, timed) == 5
+    assert policy.source_draft_length(parting, 1, timed) == 2
+    # At batch 8 every request waits through the drafts' verification: only
+    # the likely head pays, and the unlikely draft not at all.
+    assert policy.source_draft_length(sure, 8, timed) == 3
+    assert policy.source_draft_length(parting, 8, timed) == 0
+    assert policy.source_draft_length(parting, 8, False) == 2
     # Untimed lookups fall back to a draft token's cost: they stay short.
     assert StepCosts(per_draft=0.8).for_lookup() == StepCosts(0.8, 0.0, 0.8)
 

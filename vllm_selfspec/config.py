@@ -105,10 +105,10 @@ LOOKUP_SOURCES = ("ngram", "suffix")
 # Cost-aware drafting sizes each request's lookups by their record below that
 # cap (`RoundPolicy.lookup_lengths`): long in text that copies long spans,
 # short where a match's continuation soon parts from the target's
-# (docs/results/batch1.md); suffix trees size each draft themselves, from
-# how often a continuation followed the match, so their lookups run to the cap
-# wherever the record says some length pays. Without it every lookup may run
-# to the cap.
+# (docs/results/batch1.md); a suffix tree estimates each prefix's chance of
+# acceptance itself, from how often a continuation followed the match, so its
+# drafts are cut by that estimate at the same costs instead. Without it every
+# lookup may run to the cap.
 # The suffix keys are vLLM's `suffix_decoding_*` defaults but for the cache of
 # past responses, kept smaller: each holds up to max_model_len tokens.
 LOOKUP_OPTIONS = {

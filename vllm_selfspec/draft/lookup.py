@@ -21,6 +21,7 @@ accepted: the verified drafts vLLM kept and the token it sampled.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -57,14 +58,25 @@ def request_contexts(req_ids: list[str], discarded: np.ndarray, token_ids: np.nd
                 accepted.get(req_id, 0), next_tokens[row])
 
 
+@dataclass(frozen=True)
+class LookupDraft:
+    """A looked-up draft, and where its source estimates it, each prefix's
+    chance of being accepted whole (suffix trees), else None."""
+
+    tokens: np.ndarray
+    path_probabilities: list[float] | None = None
+
+
 class Lookup(Protocol):
     """A lookup source, as the drafter uses it."""
 
-    # Whether the source sizes each draft itself (`RoundPolicy.lookup_lengths`).
-    sets_length: bool
+    # Whether the source estimates each draft's chance itself, so that each
+    # draft is sized by that estimate (`RoundPolicy.source_draft_length`)
+    # rather than by the request's record of its lookups.
+    sizes_drafts: bool
 
     def drafts(self, contexts: Iterator[tuple[int, str, np.ndarray]], lengths: list[int],
-               num_prompt_tokens: np.ndarray) -> dict[int, np.ndarray]:
+               num_prompt_tokens: np.ndarray) -> dict[int, LookupDraft]:
         """Each row's draft where the source offers one, at most
         `lengths[row]` tokens (none where that is 0), in row order."""
 
@@ -87,7 +99,7 @@ def make_lookup(settings: dict | None, max_model_len: int) -> Lookup | None:
 class NgramLookup:
     """vLLM's n-gram matcher over each request's own tokens; no state."""
 
-    sets_length = False
+    sizes_drafts = False
 
     def __init__(self, settings: dict, max_model_len: int):
         self.settings = settings
@@ -95,15 +107,15 @@ class NgramLookup:
         compile_lookup(max_model_len)
 
     def drafts(self, contexts: Iterator[tuple[int, str, np.ndarray]], lengths: list[int],
-               num_prompt_tokens: np.ndarray) -> dict[int, np.ndarray]:
-        found: dict[int, np.ndarray] = {}
+               num_prompt_tokens: np.ndarray) -> dict[int, LookupDraft]:
+        found: dict[int, LookupDraft] = {}
         for row, _, context in contexts:
             if not lengths[row]:
                 continue
             draft = lookup_draft(context, self.settings["min_match"],
                                  self.settings["max_match"], self.max_model_len, lengths[row])
             if len(draft):
-                found[row] = draft
+                found[row] = LookupDraft(draft)
         return found
 
     def forget(self, live_req_ids: set[str]) -> None:
@@ -119,9 +131,9 @@ class SuffixLookup:
     the cache's tree of past responses (a request's response joins it when
     the request starts and stays until `max_cached_requests` newer ones
     evict it). Built from tokens alone, so alike on every tensor-parallel
-    rank. Its frequency estimate sizes each draft (`sets_length`)."""
+    rank. Its frequency estimate sizes each draft (`sizes_drafts`)."""
 
-    sets_length = True
+    sizes_drafts = True
 
     def __init__(self, settings: dict, max_model_len: int):
         from arctic_inference.suffix_decoding import SuffixDecodingCache
@@ -134,10 +146,12 @@ class SuffixLookup:
         self.started = 0
 
     def drafts(self, contexts: Iterator[tuple[int, str, np.ndarray]], lengths: list[int],
-               num_prompt_tokens: np.ndarray) -> dict[int, np.ndarray]:
+               num_prompt_tokens: np.ndarray) -> dict[int, LookupDraft]:
         """Each row's draft where the trees offer one, at most `lengths[row]`
-        tokens; every row's new tokens are fed to the cache first."""
-        found: dict[int, np.ndarray] = {}
+        tokens, with the trees' estimate of each prefix's chance (the share of
+        the match's past continuations that went on so far); every row's new
+        tokens are fed to the cache first."""
+        found: dict[int, LookupDraft] = {}
         depth = self.settings["max_tree_depth"]
         for row, req_id, context in contexts:
             self._feed(req_id, context, int(num_prompt_tokens[row]))
@@ -149,7 +163,8 @@ class SuffixLookup:
                 max_spec_tokens=room, max_spec_factor=self.settings["max_spec_factor"],
                 min_token_prob=self.settings["min_token_prob"])
             if draft.token_ids:
-                found[row] = np.asarray(draft.token_ids, dtype=np.int64)
+                found[row] = LookupDraft(np.asarray(draft.token_ids, dtype=np.int64),
+                                         list(draft.probs))
         return found
 
     def _feed(self, req_id: str, context: np.ndarray, num_prompt_tokens: int) -> None:

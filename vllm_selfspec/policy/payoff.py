@@ -270,6 +270,22 @@ def best_speed(acceptance: float, costs: StepCosts, max_drafts: int) -> float:
     return max(1.0, _fastest_draft(acceptance, costs, max_drafts)[1])
 
 
+def estimated_draft_length(path_probabilities: list[float], costs: StepCosts,
+                           margin: float) -> int:
+    """How much of a draft whose source estimates each prefix's chance of
+    being accepted whole (suffix trees: the share of the match's past
+    continuations that went on so far) pays: the k with the most expected
+    tokens per plain step, (1 + p_1 + ... + p_k) / (1 + F + k w), and 0 unless
+    it beats plain by `margin`."""
+    best, best_speed, expected = 0, 1.0 + margin, 1.0
+    for drafts, probability in enumerate(path_probabilities, start=1):
+        expected += probability
+        speed = expected / (1.0 + costs.round_overhead + drafts * costs.per_draft)
+        if speed > best_speed:
+            best, best_speed = drafts, speed
+    return best
+
+
 def round_budget(acceptance: float, costs: StepCosts, max_drafts: int, margin: float,
                  probe: bool) -> int:
     """This round's budget for one request: 1 instead of 0 on a probe round."""

@@ -27,8 +27,8 @@ from vllm_selfspec.policy.payoff import (
     StepCosts,
     batch_bucket,
     batch_steps,
-    best_budget,
     costs_for,
+    estimated_draft_length,
     probe_interval,
     reopen_interval,
 )
@@ -263,7 +263,7 @@ class RoundPolicy:
         return RoundFeedback(accepted_now, self_drafted)
 
     def lookup_lengths(self, req_ids: list[str], costs: StepCosts | Literal[False],
-                       max_tokens: int, source_sets_length: bool = False) -> list[int]:
+                       max_tokens: int, source_sizes_drafts: bool = False) -> list[int]:
         """The most tokens each request's lookup may draft this round: when
         cost-aware, the length its own lookups' acceptance record makes worth
         their verification (a looked-up token runs no draft step, so in text
@@ -271,26 +271,29 @@ class RoundPolicy:
         matches soon part from the target's it stays short), 0 where no
         length pays (that request then self-drafts or not, as decided for
         it), and 1 instead of 0 on a probe round, so the record recovers.
-        With `source_sets_length` (a source that sizes each draft itself, as
-        suffix trees do from how often a continuation followed the match),
-        `max_tokens` wherever some length pays: the record, one acceptance per
-        token, reads a span copied whole as a geometric run that stops early,
-        and would cut the source's drafts short. Without cost-aware drafting,
-        `max_tokens`."""
-        if costs is False:
+        With `source_sizes_drafts` (a source that estimates each draft's
+        chance itself, as suffix trees do from how often a continuation
+        followed the match), `max_tokens`: each draft is cut afterwards by
+        its own estimate (`source_draft_length`). Without cost-aware
+        drafting, `max_tokens`."""
+        if costs is False or source_sizes_drafts:
             return [max_tokens] * len(req_ids)
         lookup_costs = costs.for_lookup(len(req_ids))
         probe = self.counters.rounds % probe_interval(
             lookup_costs, self.options.probe_every, PROBE_SHARE) == 0
-        budgets, acceptances = self.lookup_records.budgets(
+        budgets, _ = self.lookup_records.budgets(
             req_ids, lookup_costs, max_tokens, MIN_GAIN, probe, self.counters.rounds)
-        if not source_sets_length:
-            return budgets
-        # Off a probe round a budget pays exactly when it is above 0; on one, a
-        # budget of 1 may be the probe's alone, so only there is it asked again.
-        return [max_tokens if budget and (not probe or best_budget(
-                    acceptance, lookup_costs, max_tokens, MIN_GAIN)) else budget
-                for budget, acceptance in zip(budgets, acceptances)]
+        return budgets
+
+    def source_draft_length(self, path_probabilities: list[float], batch_size: int,
+                            costs: StepCosts | Literal[False]) -> int:
+        """How much of a looked-up draft whose source estimated each prefix's
+        chance of acceptance pays at this round's lookup costs (all of it
+        when not cost-aware): `estimated_draft_length`."""
+        if costs is False:
+            return len(path_probabilities)
+        return estimated_draft_length(path_probabilities, costs.for_lookup(batch_size),
+                                      MIN_GAIN)
 
     def note_lookups(self, req_ids: list[str], looked_up: list[str]) -> None:
         """Which of this round's requests drafted by lookup. A request vLLM

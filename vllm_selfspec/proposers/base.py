@@ -611,19 +611,25 @@ class SelfSpecProposer(DraftModelProposer):
                         accepted: dict[str, int], drafts: torch.Tensor,
                         costs: StepCosts | Literal[False]) -> list[int]:
         """Fill `drafts` for the requests the lookup source offers a draft
-        (draft/lookup.py); returns their rows."""
+        (draft/lookup.py), each cut to what pays where the source estimates
+        its chance; returns their rows."""
         batch = self.runner.input_batch
         lengths = self.policy.lookup_lengths(
             req_ids, costs, min(drafts.shape[1], self.options.lookup["max_tokens"]),
-            source_sets_length=self.lookup.sets_length)
+            source_sizes_drafts=self.lookup.sizes_drafts)
         contexts = request_contexts(
             req_ids, self.runner.discard_request_mask.np, batch.token_ids_cpu,
             batch.num_tokens_no_spec, step_tokens.tolist(), cad.query_start_loc_cpu.tolist(),
             next_token_ids.tolist(), accepted)
-        found = self.lookup.drafts(contexts, lengths, batch.num_prompt_tokens)
-        for row, tokens in found.items():
-            drafts[row, :len(tokens)] = torch.from_numpy(tokens).to(drafts.device)
-        return list(found)
+        rows = []
+        for row, draft in self.lookup.drafts(contexts, lengths, batch.num_prompt_tokens).items():
+            length = (len(draft.tokens) if draft.path_probabilities is None
+                      else self.policy.source_draft_length(draft.path_probabilities,
+                                                           len(req_ids), costs))
+            if length:
+                drafts[row, :length] = torch.from_numpy(draft.tokens[:length]).to(drafts.device)
+                rows.append(row)
+        return rows
 
     # --- the draft loop's pieces ---------------------------------------------
     def _advance(
