@@ -59,10 +59,11 @@ same.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 from dataclasses import dataclass, field
 
@@ -247,13 +248,20 @@ def expected_tokens(acceptance: float, drafts: int) -> float:
     return (1.0 - acceptance ** (drafts + 1)) / (1.0 - acceptance)
 
 
-def _fastest_draft(acceptance: float, costs: StepCosts, max_drafts: int) -> tuple[int, float]:
-    """The k in 1..max_drafts with the most tokens per plain step, and that
-    speed ((0, 0) when no draft fits)."""
-    return max(((drafts, expected_tokens(acceptance, drafts)
-                 / (1.0 + costs.round_overhead + drafts * costs.per_draft))
-                for drafts in range(1, max_drafts + 1)),
+def _fastest_length(expected: Iterable[float], costs: StepCosts) -> tuple[int, float]:
+    """Given the expected tokens of a round of k drafts for k = 1, 2, ...:
+    the k with the most tokens per plain step, and that speed ((0, 0) when
+    there is no k)."""
+    return max(((drafts, tokens / (1.0 + costs.round_overhead + drafts * costs.per_draft))
+                for drafts, tokens in enumerate(expected, start=1)),
                key=lambda pair: pair[1], default=(0, 0.0))
+
+
+def _fastest_draft(acceptance: float, costs: StepCosts, max_drafts: int) -> tuple[int, float]:
+    """The k in 1..max_drafts with the most tokens per plain step at
+    acceptance `acceptance`, and that speed ((0, 0) when no draft fits)."""
+    return _fastest_length((expected_tokens(acceptance, drafts)
+                            for drafts in range(1, max_drafts + 1)), costs)
 
 
 def best_budget(acceptance: float, costs: StepCosts, max_drafts: int,
@@ -277,13 +285,9 @@ def estimated_draft_length(path_probabilities: list[float], costs: StepCosts,
     continuations that went on so far) pays: the k with the most expected
     tokens per plain step, (1 + p_1 + ... + p_k) / (1 + F + k w), and 0 unless
     it beats plain by `margin`."""
-    best, best_speed, expected = 0, 1.0 + margin, 1.0
-    for drafts, probability in enumerate(path_probabilities, start=1):
-        expected += probability
-        speed = expected / (1.0 + costs.round_overhead + drafts * costs.per_draft)
-        if speed > best_speed:
-            best, best_speed = drafts, speed
-    return best
+    drafts, speed = _fastest_length(
+        (1.0 + total for total in itertools.accumulate(path_probabilities)), costs)
+    return drafts if speed > 1.0 + margin else 0
 
 
 def round_budget(acceptance: float, costs: StepCosts, max_drafts: int, margin: float,
