@@ -23,6 +23,7 @@ import time
 
 from tqdm import tqdm
 
+from bench.runner import accepted_tokens, decode_time, shutdown
 from vllm_selfspec import prompts as prompt_sets
 from vllm_selfspec.assets import CONFIGS_DIR, RESULTS_DIR, ROOT, fast_dtype
 
@@ -35,12 +36,12 @@ def decode_seconds_per_token(llm, prompts, max_tokens: int) -> tuple[float, floa
     tokens, seconds, drafted, accepted = 0, 0.0, 0, 0
     for prompt in prompts:
         output = llm.generate([prompt], params, use_tqdm=False)[0]
-        tokens += output.metrics.num_generation_tokens - 1
-        seconds += output.metrics.last_token_ts - output.metrics.first_token_ts
+        decoded, took = decode_time(output)
+        tokens, seconds = tokens + decoded, seconds + took
         spec = output.outputs[0].spec_decode_metrics
         if spec is not None:
             drafted += spec.num_draft_tokens
-            accepted += sum(j * n for j, n in enumerate(spec.histogram))
+            accepted += accepted_tokens(spec)
     return seconds / tokens, (accepted / drafted if drafted else None)
 
 
@@ -121,7 +122,7 @@ def main() -> None:
             bar.set_postfix(best_ms=f"{best['ms_per_token']:.1f}",
                             full_ms=f"{full_depth_ms:.1f}")
             bar.update()
-    llm.llm_engine.engine_core.shutdown()
+    shutdown(llm)
 
     best = min(history, key=lambda h: h["ms_per_token"])
     shipped = CONFIGS_DIR / f"{args.model}.json"

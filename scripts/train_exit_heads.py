@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from bench.runner import shutdown
 from vllm_selfspec import prompts as prompt_sets
 from vllm_selfspec.assets import CONFIGS_DIR, RESULTS_DIR, ROOT, fast_dtype
 from vllm_selfspec.draft.heads import model_identity, save_heads
@@ -69,7 +70,7 @@ def generate_data(args, model_dir: Path, data_file: Path) -> list[list[int]]:
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0,
                                                    max_tokens=args.max_tokens))
     records = [[list(o.prompt_token_ids), list(o.outputs[0].token_ids)] for o in outputs]
-    llm.llm_engine.engine_core.shutdown()
+    shutdown(llm)
     data_file.write_text(json.dumps(records))
     return records
 

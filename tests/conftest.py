@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import gc
 import os
 import shutil
 import sys
@@ -45,7 +44,7 @@ ENGINE_DEFAULTS = dict(
 # stops the session before any engine starts (minutes saved on a broken tree).
 ENGINE_FREE_MODULES = ("test_config", "test_patches", "test_exit_stats",
                        "test_draft_weights", "test_safety", "test_round_policy",
-                       "test_mechanism_gate", "test_benchmark")
+                       "test_mechanism_gate", "test_benchmark", "test_skip_search")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -264,9 +263,11 @@ def start_engine(speculative_config: dict | None = None, exact_draft: bool = Tru
 
 
 def stop_engine(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+    """The benchmark's shutdown (imported here so the engine-free tier does
+    not load vLLM)."""
+    from bench.runner import shutdown
+
+    shutdown(llm)
 
 
 @dataclass

@@ -187,8 +187,9 @@ def test_lookup_length_follows_the_requests_own_lookups():
     keep being accepted looks up to the cap, one whose lookups part from the
     target at once looks up nothing but one token on probe rounds, each
     request by its own record; the self-draft's record is left alone. Without
-    cost-aware drafting, or where the source sizes its own drafts and some
-    length pays, every lookup may run to the cap."""
+    cost-aware drafting, or where the source sizes its own drafts (each draft
+    is then cut by its own estimate), every lookup may run to the cap, whatever
+    the request's record says."""
     from vllm_selfspec.policy.payoff import DraftPayoff, StepCosts
     from vllm_selfspec.policy.rounds import ENGINE_PAYOFF_DECAY
 

@@ -85,11 +85,10 @@ def local_ray():
 
 def test_ray_executor_serves_swift(local_ray, tiny_llama_dir, tiny_llama_outputs,
                                    test_prompts, tmp_path):
-    """All four methods passed over Ray when written; the suite keeps SWIFT,
-    whose search state must agree across actors through a broadcast every
-    search step, to stay inside CI's time (DEL's statistics agree rank by rank
-    with the mp backend in test_del.py). Both actors hold the same search and
-    draft with the same set."""
+    """SWIFT over Ray: its search state must agree across actors through a
+    broadcast every search step, the hardest of the methods' per-rank state
+    (DEL's statistics agree rank by rank with the mp backend in test_del.py).
+    Both actors hold the same search and draft with the same set."""
     from serving import vllm_serve
 
     args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",

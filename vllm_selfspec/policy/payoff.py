@@ -430,8 +430,8 @@ class RoundClock:
 # A drafted round's cost at each draft count is the mean of its rounds' extra
 # without their slowest tenth (`without_pauses`): the mean, because what a
 # round costs can vary from round to round (an early exit's depth: AdaDecode's
-# one-draft rounds cost one, two or three times their median, depending on
-# where they exited) and throughput pays the mean; the slowest tenth dropped
+# one-draft rounds cost several times their median when they exit late) and
+# throughput pays the mean; the slowest tenth dropped
 # keeps a pause of the machine out of it.
 SLOWEST_DROPPED = 0.1
 

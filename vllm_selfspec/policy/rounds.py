@@ -46,9 +46,9 @@ PRIOR_ACCEPTANCE = 0.6
 PAYOFF_DECAY = 0.9
 ENGINE_PAYOFF_DECAY = 0.98
 IDLE_DECAY = 0.95
-# Lookup records keep the earlier decays (0.8 per verified round, the engine's
-# too, no idle forgetting): copying comes and goes within a request faster than
-# a layer skip's payoff does (docs/results/batch1.md has the A/B).
+# Lookup records decay faster (0.8 per verified round, the engine's too) and
+# do not forget idle rounds: copying comes and goes within a request faster
+# than a self-draft's payoff does.
 LOOKUP_PAYOFF_DECAY = 0.8
 MIN_GAIN = 0.05
 PROBE_SHARE = 0.01  # of decoding time, at most, spent on probes that find nothing

@@ -191,7 +191,8 @@ class SkipSetSearch:
 
     def record(self, candidate: SkipSet, score: float) -> bool:
         """Score one candidate; True if it became the incumbent."""
-        if candidate not in self._registered:  # the GP takes each point once
+        if self.settings.bayes_interval and candidate not in self._registered:
+            # The GP (only with Bayesian suggestions) takes each point once.
             self._registered.add(candidate)
             self.optimizer.register(params=dict(zip(self._keys, candidate.as_vector())),
                                     target=score)
