@@ -239,13 +239,30 @@ def test_lookup_length_follows_the_requests_own_lookups():
                       lookup_overhead=0.0)
     sure, parting = [1.0, 1.0, 0.9, 0.5, 0.2, 0.1], [0.3, 0.1]
     # A 1-in-10 tail token is not worth its verification (0.04 plain steps).
-    assert policy.source_draft_length(sure, 1, timed) == 5
-    assert policy.source_draft_length(parting, 1, timed) == 2
+    assert policy.source_draft_length("new", sure, 1, timed, None) == 5
+    assert policy.source_draft_length("new", parting, 1, timed, None) == 2
     # At batch 8 every request waits through the drafts' verification: only
     # the likely head pays, and the unlikely draft not at all.
-    assert policy.source_draft_length(sure, 8, timed) == 3
-    assert policy.source_draft_length(parting, 8, timed) == 0
-    assert policy.source_draft_length(parting, 8, False) == 2
+    assert policy.source_draft_length("new", sure, 8, timed, None) == 3
+    assert policy.source_draft_length("new", parting, 8, timed, None) == 0
+    assert policy.source_draft_length("new", parting, 8, False, None) == 2
+    # Alone in the batch, a request whose self-drafts are nearly always
+    # accepted, at a cheap draft step, self-drafts rather than take a short
+    # lookup (2 expected tokens where its self-draft promises more); a lookup
+    # that beats its self-draft stands, and so does any lookup in a batch
+    # (there a draft step is paid for every row) or where self-drafts are
+    # closed (None).
+    cheap = StepCosts(per_draft=0.2, round_overhead=0.05)
+    for _ in range(20):
+        policy.self_records.add_request_round("sure", 4, 4, policy.counters.rounds)
+    assert policy.source_draft_length("sure", [1.0, 0.2], 1, timed, cheap) == 0
+    assert policy.source_draft_length("sure", [1.0] * 12, 1, timed, cheap) == 12
+    assert policy.source_draft_length("sure", [1.0, 0.2], 8, timed, cheap) == 1
+    assert policy.source_draft_length("sure", [1.0, 0.2], 1, timed, None) == 2
+    # A request whose self-drafts part from the target at once takes the lookup.
+    for _ in range(20):
+        policy.self_records.add_request_round("unsure", 0, 4, policy.counters.rounds)
+    assert policy.source_draft_length("unsure", [1.0, 0.2], 1, timed, cheap) == 2
     # Untimed lookups fall back to a draft token's cost: they stay short.
     assert StepCosts(per_draft=0.8).for_lookup() == StepCosts(0.8, 0.0, 0.8)
 

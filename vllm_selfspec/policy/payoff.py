@@ -278,16 +278,16 @@ def best_speed(acceptance: float, costs: StepCosts, max_drafts: int) -> float:
     return max(1.0, _fastest_draft(acceptance, costs, max_drafts)[1])
 
 
-def estimated_draft_length(path_probabilities: list[float], costs: StepCosts,
-                           margin: float) -> int:
+def estimated_draft(path_probabilities: list[float], costs: StepCosts,
+                    margin: float) -> tuple[int, float]:
     """How much of a draft whose source estimates each prefix's chance of
     being accepted whole (suffix trees: the share of the match's past
-    continuations that went on so far) pays: the k with the most expected
-    tokens per plain step, (1 + p_1 + ... + p_k) / (1 + F + k w), and 0 unless
-    it beats plain by `margin`."""
+    continuations that went on so far) pays, and its speed: the k with the
+    most expected tokens per plain step, (1 + p_1 + ... + p_k) / (1 + F + k w),
+    and (0, 1) unless it beats plain by `margin`."""
     drafts, speed = _fastest_length(
         (1.0 + total for total in itertools.accumulate(path_probabilities)), costs)
-    return drafts if speed > 1.0 + margin else 0
+    return (drafts, speed) if speed > 1.0 + margin else (0, 1.0)
 
 
 def round_budget(acceptance: float, costs: StepCosts, max_drafts: int, margin: float,

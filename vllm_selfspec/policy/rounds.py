@@ -28,7 +28,8 @@ from vllm_selfspec.policy.payoff import (
     batch_bucket,
     batch_steps,
     costs_for,
-    estimated_draft_length,
+    best_speed,
+    estimated_draft,
     probe_interval,
     reopen_interval,
 )
@@ -285,15 +286,27 @@ class RoundPolicy:
             req_ids, lookup_costs, max_tokens, MIN_GAIN, probe, self.counters.rounds)
         return budgets
 
-    def source_draft_length(self, path_probabilities: list[float], batch_size: int,
-                            costs: StepCosts | Literal[False]) -> int:
+    def source_draft_length(self, req_id: str, path_probabilities: list[float],
+                            batch_size: int, costs: StepCosts | Literal[False],
+                            self_costs: StepCosts | None | bool) -> int:
         """How much of a looked-up draft whose source estimated each prefix's
-        chance of acceptance pays at this round's lookup costs (all of it
-        when not cost-aware): `estimated_draft_length`."""
+        chance of acceptance pays at this round's lookup costs
+        (`estimated_draft`; all of it when not cost-aware), and 0 where, alone
+        in the batch, the request's own self-draft promises more tokens per
+        plain step at `self_costs` (this round's `timed_costs`) and its
+        acceptance: then it self-drafts, as if nothing was found. At batch 1
+        both are that request's speed in the same plain steps; in a batch a
+        draft step is paid once for every row (`batch_steps`), which a lookup
+        avoids, so there a lookup that pays stands."""
         if costs is False:
             return len(path_probabilities)
-        return estimated_draft_length(path_probabilities, costs.for_lookup(batch_size),
-                                      MIN_GAIN)
+        length, speed = estimated_draft(path_probabilities, costs.for_lookup(batch_size),
+                                        MIN_GAIN)
+        if length and batch_size == 1 and self_costs:
+            acceptance = self.self_records.acceptances([req_id], self.counters.rounds)[0]
+            if best_speed(acceptance, self_costs, self.max_drafts) >= speed:
+                return 0
+        return length
 
     def note_lookups(self, req_ids: list[str], looked_up: list[str]) -> None:
         """Which of this round's requests drafted by lookup. A request vLLM

@@ -612,7 +612,8 @@ class SelfSpecProposer(DraftModelProposer):
                         costs: StepCosts | Literal[False]) -> list[int]:
         """Fill `drafts` for the requests the lookup source offers a draft
         (draft/lookup.py), each cut to what pays where the source estimates
-        its chance; returns their rows."""
+        its chance (and left to self-draft where that promises more); returns
+        their rows."""
         batch = self.runner.input_batch
         lengths = self.policy.lookup_lengths(
             req_ids, costs, min(drafts.shape[1], self.options.lookup["max_tokens"]),
@@ -622,10 +623,11 @@ class SelfSpecProposer(DraftModelProposer):
             batch.num_tokens_no_spec, step_tokens.tolist(), cad.query_start_loc_cpu.tolist(),
             next_token_ids.tolist(), accepted)
         rows = []
+        self_costs = self.policy.timed_costs(len(req_ids))
         for row, draft in self.lookup.drafts(contexts, lengths, batch.num_prompt_tokens).items():
             length = (len(draft.tokens) if draft.path_probabilities is None
-                      else self.policy.source_draft_length(draft.path_probabilities,
-                                                           len(req_ids), costs))
+                      else self.policy.source_draft_length(req_ids[row], draft.path_probabilities,
+                                                           len(req_ids), costs, self_costs))
             if length:
                 drafts[row, :length] = torch.from_numpy(draft.tokens[:length]).to(drafts.device)
                 rows.append(row)
