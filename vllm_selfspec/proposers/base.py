@@ -623,7 +623,8 @@ class SelfSpecProposer(DraftModelProposer):
             batch.num_tokens_no_spec, step_tokens.tolist(), cad.query_start_loc_cpu.tolist(),
             next_token_ids.tolist(), accepted)
         rows = []
-        self_costs = self.policy.timed_costs(len(req_ids))
+        # Only a source that sizes its drafts weighs them against the self-draft.
+        self_costs = self.policy.timed_costs(len(req_ids)) if self.lookup.sizes_drafts else None
         for row, draft in self.lookup.drafts(contexts, lengths, batch.num_prompt_tokens).items():
             length = (len(draft.tokens) if draft.path_probabilities is None
                       else self.policy.source_draft_length(req_ids[row], draft.path_probabilities,
