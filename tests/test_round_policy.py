@@ -62,7 +62,7 @@ def test_a_round_drops_the_state_of_requests_vllm_no_longer_holds():
     and held requests as the one before looks at nothing."""
     policy = round_policy()
     batch = ["a", "b", "c"]
-    policy.note_lookups(batch, ["c"])
+    policy.note_lookups(batch, {"c": 0})
     policy.take_feedback(batch, [2, 2, 2], [0, 1, 2], num_tokens=9, started=0.0)
     assert set(policy.self_records.requests) == {"a", "b"}
     assert set(policy.lookup_records.requests) == {"c"}
@@ -73,7 +73,7 @@ def test_a_round_drops_the_state_of_requests_vllm_no_longer_holds():
     # "b" preempted, "c" finished: the batch changed.
     assert policy.start_round(["a"], {"a", "b"}, None, 1, 0.02) == {"a", "b"}
     assert set(policy.self_records.requests) == {"a", "b"}
-    assert policy.lookup_records.requests == {} and policy.looked_up == set()
+    assert policy.lookup_records.requests == {} and policy.looked_up == {}
     policy.end_round(["a"], 0, 0.02, 0.021)
     # The same batch, but "b" finished while out of it.
     assert policy.start_round(["a"], {"a"}, None, 1, 0.03) == {"a"}
@@ -200,7 +200,7 @@ def test_lookup_length_follows_the_requests_own_lookups():
     first = policy.lookup_lengths(["copy", "chat"], costs, 12)
     assert first[0] == first[1] and 1 < first[0] < 12  # the prior, for both
     for _ in range(8):
-        policy.note_lookups(["copy", "chat", "self"], ["copy", "chat"])
+        policy.note_lookups(["copy", "chat", "self"], {"copy": 0, "chat": 0})
         feedback = policy.take_feedback(["copy", "chat", "self"], [6, 6, 2], [0, 6, 1],
                                         num_tokens=17, started=0.0)
         assert feedback.accepted == {"copy": 6, "chat": 0, "self": 1}
@@ -239,13 +239,13 @@ def test_lookup_length_follows_the_requests_own_lookups():
                       lookup_overhead=0.0)
     sure, parting = [1.0, 1.0, 0.9, 0.5, 0.2, 0.1], [0.3, 0.1]
     # A 1-in-10 tail token is not worth its verification (0.04 plain steps).
-    assert policy.source_draft_length("new", sure, 1, timed, None) == 5
-    assert policy.source_draft_length("new", parting, 1, timed, None) == 2
+    assert policy.source_draft_length("new", sure, 0, 1, timed, None) == 5
+    assert policy.source_draft_length("new", parting, 0, 1, timed, None) == 2
     # At batch 8 every request waits through the drafts' verification: only
     # the likely head pays, and the unlikely draft not at all.
-    assert policy.source_draft_length("new", sure, 8, timed, None) == 3
-    assert policy.source_draft_length("new", parting, 8, timed, None) == 0
-    assert policy.source_draft_length("new", parting, 8, False, None) == 2
+    assert policy.source_draft_length("new", sure, 0, 8, timed, None) == 3
+    assert policy.source_draft_length("new", parting, 0, 8, timed, None) == 0
+    assert policy.source_draft_length("new", parting, 0, 8, False, None) == 2
     # Alone in the batch, a request whose self-drafts are nearly always
     # accepted, at a cheap draft step, self-drafts rather than take a short
     # lookup (2 expected tokens where its self-draft promises more); a lookup
@@ -255,16 +255,51 @@ def test_lookup_length_follows_the_requests_own_lookups():
     cheap = StepCosts(per_draft=0.2, round_overhead=0.05)
     for _ in range(20):
         policy.self_records.add_request_round("sure", 4, 4, policy.counters.rounds)
-    assert policy.source_draft_length("sure", [1.0, 0.2], 1, timed, cheap) == 0
-    assert policy.source_draft_length("sure", [1.0] * 12, 1, timed, cheap) == 12
-    assert policy.source_draft_length("sure", [1.0, 0.2], 8, timed, cheap) == 1
-    assert policy.source_draft_length("sure", [1.0, 0.2], 1, timed, None) == 2
+    assert policy.source_draft_length("sure", [1.0, 0.2], 0, 1, timed, cheap) == 0
+    assert policy.source_draft_length("sure", [1.0] * 12, 0, 1, timed, cheap) == 12
+    assert policy.source_draft_length("sure", [1.0, 0.2], 0, 8, timed, cheap) == 1
+    assert policy.source_draft_length("sure", [1.0, 0.2], 0, 1, timed, None) == 2
     # A request whose self-drafts part from the target at once takes the lookup.
     for _ in range(20):
         policy.self_records.add_request_round("unsure", 0, 4, policy.counters.rounds)
-    assert policy.source_draft_length("unsure", [1.0, 0.2], 1, timed, cheap) == 2
+    assert policy.source_draft_length("unsure", [1.0, 0.2], 0, 1, timed, cheap) == 2
     # Untimed lookups fall back to a draft token's cost: they stay short.
     assert StepCosts(per_draft=0.8).for_lookup() == StepCosts(0.8, 0.0, 0.8)
+
+
+def test_lookups_are_held_to_what_their_match_length_accepts():
+    """A suffix tree's estimate reads alike after a one-token match and a
+    long one; the engine's record per match length holds each draft to what
+    drafts found by matches that long accepted: after one-token matches' drafts
+    were rejected, such a draft no longer pays (alone in the batch its
+    request self-drafts), while drafts of long matches, accepted whole, keep
+    their length. Matches longer than the longest record share it, and a
+    draft whose source gives no match length (0) is not held."""
+    from vllm_selfspec.policy.payoff import StepCosts
+
+    policy = round_policy()
+    timed = StepCosts(per_draft=0.8, round_overhead=0.3, per_verified=0.04,
+                      lookup_overhead=0.0)
+    cheap = StepCosts(per_draft=0.2, round_overhead=0.05)
+    for _ in range(20):
+        policy.self_records.add_request_round("r", 3, 4, policy.counters.rounds)
+    tree = [0.5] * 6
+    # Before any feedback both lengths start from the prior: the draft pays.
+    assert policy.source_draft_length("r", tree, 1, 8, timed, None) > 0
+    for _ in range(10):
+        policy.note_lookups(["short", "long", "ngram"], {"short": 1, "long": 40, "ngram": 0})
+        policy.take_feedback(["short", "long", "ngram"], [6, 6, 6], [6, 0, 6],
+                             num_tokens=21, started=0.0)
+    assert policy.match_records.acceptance(1) < 0.2
+    assert policy.match_records.acceptance(40) > 0.9
+    assert set(policy.match_records.records) == {1, 12}  # 40 shares the longest record
+    assert policy.source_draft_length("r", tree, 1, 8, timed, None) == 0
+    assert policy.source_draft_length("r", tree, 1, 1, timed, cheap) == 0
+    # Where self-drafts are closed (None), one token of it still beats plain.
+    assert policy.source_draft_length("r", tree, 1, 1, timed, None) == 1
+    assert policy.source_draft_length("r", tree, 30, 1, timed, cheap) == 6
+    assert policy.source_draft_length("r", tree, 0, 8, timed, None) == 6
+    assert policy.timings()["lookup_acceptance_by_match_length"][1] < 0.2
 
 
 def test_feedback_goes_to_the_record_of_the_drafts_verified():
@@ -272,8 +307,8 @@ def test_feedback_goes_to_the_record_of_the_drafts_verified():
     step and verifies them in a later one: that feedback goes to the record
     of the drafts it had (its lookup), not to whatever the last round did."""
     policy = round_policy()
-    policy.note_lookups(["copy", "chat"], ["copy"])  # copy looks up, chat self-drafts
-    policy.note_lookups(["chat"], [])  # copy left out of this step
+    policy.note_lookups(["copy", "chat"], {"copy": 0})  # copy looks up, chat self-drafts
+    policy.note_lookups(["chat"], {})  # copy left out of this step
     feedback = policy.take_feedback(["copy", "chat"], [5, 2], [0, 1], num_tokens=9,
                                     started=0.0)
     assert set(policy.lookup_records.requests) == {"copy"}
@@ -282,8 +317,8 @@ def test_feedback_goes_to_the_record_of_the_drafts_verified():
     assert policy.self_records.engine.accepted == 1
     assert feedback.accepted == {"copy": 5, "chat": 1}
     assert feedback.self_drafted == [("chat", 1, 2)]  # the method hears of chat's alone
-    policy.note_lookups(["copy", "chat"], [])  # both self-draft now
-    assert policy.looked_up == set()
+    policy.note_lookups(["copy", "chat"], {})  # both self-draft now
+    assert policy.looked_up == {}
 
 
 def test_rounds_are_timed_as_what_they_ran():

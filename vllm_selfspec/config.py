@@ -207,7 +207,8 @@ class SelfSpecConfig(SpeculativeConfig):
     With cost_aware, as many (up to `max_tokens` and num_speculative_tokens)
     as the request's own lookups' acceptance makes worth verifying (suffix
     trees, which size each draft by how often its continuation followed the
-    match, up to the cap wherever some length pays); without it, `max_tokens`."""
+    match and how often drafts from matches as long were accepted, up to the
+    cap wherever some length pays); without it, `max_tokens`."""
     full_depth: Annotated[bool | None, Option(True)] = None
     """The full-depth draft over the same weights is the base a skip set or
     an early exit must beat. With cost_aware, a round drafts by the method's

@@ -60,11 +60,13 @@ def request_contexts(req_ids: list[str], discarded: np.ndarray, token_ids: np.nd
 
 @dataclass(frozen=True)
 class LookupDraft:
-    """A looked-up draft, and where its source estimates it, each prefix's
-    chance of being accepted whole (suffix trees), else None."""
+    """A looked-up draft, and where its source estimates it (suffix trees),
+    each prefix's chance of being accepted whole (else None) and the length of
+    the match that found it (else 0)."""
 
     tokens: np.ndarray
     path_probabilities: list[float] | None = None
+    match_length: int = 0
 
 
 class Lookup(Protocol):
@@ -149,7 +151,8 @@ class SuffixLookup:
                num_prompt_tokens: np.ndarray) -> dict[int, LookupDraft]:
         """Each row's draft where the trees offer one, at most `lengths[row]`
         tokens, with the trees' estimate of each prefix's chance (the share of
-        the match's past continuations that went on so far); every row's new
+        the match's past continuations that went on so far) and the match's
+        length; every row's new
         tokens are fed to the cache first."""
         found: dict[int, LookupDraft] = {}
         depth = self.settings["max_tree_depth"]
@@ -164,7 +167,7 @@ class SuffixLookup:
                 min_token_prob=self.settings["min_token_prob"])
             if draft.token_ids:
                 found[row] = LookupDraft(np.asarray(draft.token_ids, dtype=np.int64),
-                                         list(draft.probs))
+                                         list(draft.probs), draft.match_len)
         return found
 
     def _feed(self, req_id: str, context: np.ndarray, num_prompt_tokens: int) -> None:

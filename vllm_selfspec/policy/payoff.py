@@ -240,6 +240,45 @@ class AcceptanceRecords:
             del self.requests[req_id]
 
 
+@dataclass
+class MatchRecords:
+    """The engine's acceptance of looked-up drafts by the length of the match
+    that found them, one record per length up to `longest` (longer matches
+    share the last). A suffix tree's estimate of a continuation (the share of
+    the match's past continuations that went on so) reads alike after a
+    one-token match and after a twenty-token one, where the target follows
+    the first far less often; these records tell them apart. Bounded, and fed
+    by verification alone, so alike on every tensor-parallel rank."""
+
+    prior: float  # a length's acceptance before any draft of it was verified
+    decay: float  # per round that verified a draft of that length
+    longest: int
+    records: dict[int, DraftPayoff] = field(default_factory=dict)
+
+    def acceptance(self, match_length: int) -> float:
+        """Per-token acceptance of drafts found by matches this long."""
+        record = self.records.get(min(match_length, self.longest))
+        return self.prior if record is None else record.acceptance(self.prior)
+
+    def add(self, match_length: int, accepted: int, verified: int) -> None:
+        """Feedback on one draft found by a match this long."""
+        self.records.setdefault(min(match_length, self.longest), DraftPayoff()).update(
+            accepted, verified, self.decay)
+
+    def calibrated(self, path_probabilities: list[float], match_length: int) -> list[float]:
+        """The source's chance of each prefix being accepted whole, at most
+        what the acceptance of drafts found by matches this long makes it
+        (a^i for the i-th prefix); unchanged where the length is unknown (0)."""
+        if match_length < 1:
+            return path_probabilities
+        acceptance = self.acceptance(match_length)
+        return [min(chance, acceptance ** prefix)
+                for prefix, chance in enumerate(path_probabilities, start=1)]
+
+    def describe(self) -> dict[int, float]:
+        return {length: round(self.acceptance(length), 3) for length in sorted(self.records)}
+
+
 def expected_tokens(acceptance: float, drafts: int) -> float:
     """E(k): tokens a round of k chained drafts yields, the bonus included:
     1 + a + ... + a^k, in closed form (it runs K times per request-round)."""

@@ -23,6 +23,7 @@ from vllm_selfspec.policy.payoff import (
     AcceptanceRecords,
     ForwardTimes,
     GoodputGate,
+    MatchRecords,
     RoundClock,
     StepCosts,
     batch_bucket,
@@ -51,6 +52,9 @@ IDLE_DECAY = 0.95
 # do not forget idle rounds: copying comes and goes within a request faster
 # than a self-draft's payoff does.
 LOOKUP_PAYOFF_DECAY = 0.8
+# Looked-up drafts' acceptance is kept per match length up to this one
+# (`MatchRecords`), for the engine, decaying as its self-drafts' record does.
+LONGEST_MATCH_RECORD = 12
 MIN_GAIN = 0.05
 PROBE_SHARE = 0.01  # of decoding time, at most, spent on probes that find nothing
 # Measured costs are shared from tensor-parallel rank 0 every SHARE_EVERY
@@ -152,9 +156,12 @@ class RoundPolicy:
                                               ENGINE_PAYOFF_DECAY, IDLE_DECAY)
         self.lookup_records = AcceptanceRecords(PRIOR_ACCEPTANCE, LOOKUP_PAYOFF_DECAY,
                                                 LOOKUP_PAYOFF_DECAY, idle_decay=1.0)
-        # Requests whose newest drafts were looked up. A request vLLM leaves
-        # out of a step keeps its drafts and their source until it is verified.
-        self.looked_up: set[str] = set()
+        self.match_records = MatchRecords(PRIOR_ACCEPTANCE, ENGINE_PAYOFF_DECAY,
+                                          LONGEST_MATCH_RECORD)
+        # Requests whose newest drafts were looked up, each with the length of
+        # the match that found them (0: not known). A request vLLM leaves out
+        # of a step keeps its drafts and their source until it is verified.
+        self.looked_up: dict[str, int] = {}
         # Requests whose newest self-drafts were a method's trial (`note_trials`).
         self.trials: set[str] = set()
         self.clock = RoundClock()
@@ -228,7 +235,8 @@ class RoundPolicy:
             live = set(held)
             self.self_records.forget(live)
             self.lookup_records.forget(live)
-            self.looked_up &= live
+            self.looked_up = {req_id: match for req_id, match in self.looked_up.items()
+                              if req_id in live}
             self.trials &= live
             self._held_requests = len(live)
         self.counters.rounds += 1
@@ -253,6 +261,8 @@ class RoundPolicy:
                     if req_id in self.trials:
                         continue  # it teaches the method, not what its drafts accept
                 records = self.lookup_records if looked_up else self.self_records
+                if looked_up and self.looked_up[req_id]:
+                    self.match_records.add(self.looked_up[req_id], accepted, scheduled)
                 records.add_request_round(req_id, accepted, scheduled, self.counters.rounds)
                 counts = round_counts[looked_up]
                 counts[0] += accepted
@@ -287,11 +297,14 @@ class RoundPolicy:
         return budgets
 
     def source_draft_length(self, req_id: str, path_probabilities: list[float],
-                            batch_size: int, costs: StepCosts | Literal[False],
+                            match_length: int, batch_size: int,
+                            costs: StepCosts | Literal[False],
                             self_costs: StepCosts | None | bool) -> int:
         """How much of a looked-up draft whose source estimated each prefix's
         chance of acceptance pays at this round's lookup costs
-        (`estimated_draft`; all of it when not cost-aware), and 0 where, alone
+        (`estimated_draft`, the estimate held to what drafts found by matches
+        of `match_length` accept: `MatchRecords.calibrated`; all of it when
+        not cost-aware), and 0 where, alone
         in the batch, the request's own self-draft promises more tokens per
         plain step at `self_costs` (this round's `timed_costs`) and its
         acceptance: then it self-drafts, as if nothing was found. At batch 1
@@ -300,20 +313,24 @@ class RoundPolicy:
         avoids, so there a lookup that pays stands."""
         if costs is False:
             return len(path_probabilities)
-        length, speed = estimated_draft(path_probabilities, costs.for_lookup(batch_size),
-                                        MIN_GAIN)
+        length, speed = estimated_draft(
+            self.match_records.calibrated(path_probabilities, match_length),
+            costs.for_lookup(batch_size), MIN_GAIN)
         if length and batch_size == 1 and self_costs:
             acceptance = self.self_records.acceptances([req_id], self.counters.rounds)[0]
             if best_speed(acceptance, self_costs, self.max_drafts) >= speed:
                 return 0
         return length
 
-    def note_lookups(self, req_ids: list[str], looked_up: list[str]) -> None:
-        """Which of this round's requests drafted by lookup. A request vLLM
+    def note_lookups(self, req_ids: list[str], looked_up: dict[str, int]) -> None:
+        """Which of this round's requests drafted by lookup, each with the
+        length of the match that found its draft (0 where the source does not
+        say), whose record its feedback joins. A request vLLM
         leaves out of a step (the token budget) keeps its drafts for a later
         one, so its note stays until it is in a round again: its feedback
         then goes to the record of the drafts it had."""
-        self.looked_up.difference_update(req_ids)
+        for req_id in req_ids:
+            self.looked_up.pop(req_id, None)
         self.looked_up.update(looked_up)
 
     def note_trials(self, req_ids: list[str]) -> None:
@@ -368,7 +385,7 @@ class RoundPolicy:
         across it: the next round decides."""
         self._previous_round = None
         self._quiet_until = 0
-        self.note_lookups(req_ids, [])
+        self.note_lookups(req_ids, {})
         self.trials.difference_update(req_ids)
 
     # --- costs -----------------------------------------------------------------
@@ -472,10 +489,12 @@ class RoundPolicy:
 
     def timings(self) -> dict:
         """The timed rounds per kind and batch size, the costs shared now
-        (per batch size, in plain steps) and the goodput gates' report."""
+        (per batch size, in plain steps), the goodput gates' report and
+        looked-up drafts' acceptance by match length."""
         return {**self.clock.samples(),
                 "shared": {size: vars(costs) for size, costs in self.shared_costs.items()},
-                "goodput": self.goodput()}
+                "goodput": self.goodput(),
+                "lookup_acceptance_by_match_length": self.match_records.describe()}
 
     # --- what the round that just ended measured ------------------------------
     def _score_previous_round(self, req_ids: list[str], verified: list[int] | None,

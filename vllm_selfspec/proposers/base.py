@@ -420,7 +420,7 @@ class SelfSpecProposer(DraftModelProposer):
         self._by_mechanism = None  # set by a round that self-drafts
         drafts = torch.full((batch_size, num_speculative_tokens), NO_DRAFT,
                             dtype=torch.int64, device=self.device)
-        rows: list[int] = []  # the rows whose drafts are looked up
+        rows: dict[int, int] = {}  # the rows whose drafts are looked up: their match lengths
         policy = self.policy
         if self._early is not None:  # decided in `decline_early`: it drafts
             (started, decision), self._early = self._early, None
@@ -442,7 +442,7 @@ class SelfSpecProposer(DraftModelProposer):
                                             costs)
                 for row in rows:
                     may_draft[row] = False
-            policy.note_lookups(req_ids, [req_ids[row] for row in rows])
+            policy.note_lookups(req_ids, {req_ids[row]: match for row, match in rows.items()})
             decision = policy.decide(req_ids, num_speculative_tokens, may_draft)
         steps = 0
         if decision is not None:
@@ -609,11 +609,12 @@ class SelfSpecProposer(DraftModelProposer):
     def draft_by_lookup(self, req_ids: list[str], step_tokens: torch.Tensor,
                         next_token_ids: torch.Tensor, cad: CommonAttentionMetadata,
                         accepted: dict[str, int], drafts: torch.Tensor,
-                        costs: StepCosts | Literal[False]) -> list[int]:
+                        costs: StepCosts | Literal[False]) -> dict[int, int]:
         """Fill `drafts` for the requests the lookup source offers a draft
         (draft/lookup.py), each cut to what pays where the source estimates
         its chance (and left to self-draft where that promises more); returns
-        their rows."""
+        their rows, each with the length of the match that found its draft
+        (0 where the source does not say)."""
         batch = self.runner.input_batch
         lengths = self.policy.lookup_lengths(
             req_ids, costs, min(drafts.shape[1], self.options.lookup["max_tokens"]),
@@ -622,16 +623,17 @@ class SelfSpecProposer(DraftModelProposer):
             req_ids, self.runner.discard_request_mask.np, batch.token_ids_cpu,
             batch.num_tokens_no_spec, step_tokens.tolist(), cad.query_start_loc_cpu.tolist(),
             next_token_ids.tolist(), accepted)
-        rows = []
+        rows = {}
         # Only a source that sizes its drafts weighs them against the self-draft.
         self_costs = self.policy.timed_costs(len(req_ids)) if self.lookup.sizes_drafts else None
         for row, draft in self.lookup.drafts(contexts, lengths, batch.num_prompt_tokens).items():
             length = (len(draft.tokens) if draft.path_probabilities is None
-                      else self.policy.source_draft_length(req_ids[row], draft.path_probabilities,
-                                                           len(req_ids), costs, self_costs))
+                      else self.policy.source_draft_length(
+                          req_ids[row], draft.path_probabilities, draft.match_length,
+                          len(req_ids), costs, self_costs))
             if length:
                 drafts[row, :length] = torch.from_numpy(draft.tokens[:length]).to(drafts.device)
-                rows.append(row)
+                rows[row] = draft.match_length
         return rows
 
     # --- the draft loop's pieces ---------------------------------------------
