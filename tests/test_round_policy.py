@@ -302,6 +302,35 @@ def test_lookups_are_held_to_what_their_match_length_accepts():
     assert policy.timings()["lookup_acceptance_by_match_length"][1] < 0.2
 
 
+def test_a_long_matchs_draft_is_valued_at_what_long_matches_accept():
+    """After a long match a suffix tree's first estimate still reads about a
+    half (the phrase seen once before and once now), where the target
+    follows nearly always: valued at the tree's level such a draft lost to a
+    self-draft accepting 0.9 alone in the batch; held to its match length's
+    record it wins, and where the tree's continuations branch (its estimate
+    falling along the path) the draft is cut there."""
+    from vllm_selfspec.policy.payoff import StepCosts, best_speed, estimated_draft
+
+    policy = round_policy()
+    lookup_costs = StepCosts(per_draft=0.6, round_overhead=0.2, per_verified=0.11,
+                             lookup_overhead=0.08)
+    self_costs = StepCosts(per_draft=0.15, round_overhead=0.05)
+    for _ in range(30):
+        policy.self_records.add_request_round("r", 9, 10, policy.counters.rounds)
+    for _ in range(30):
+        policy.note_lookups(["long", "short"], {"long": 20, "short": 1})
+        policy.take_feedback(["long", "short"], [6, 6], [0, 6], num_tokens=14, started=0.0)
+    unique_path = [0.5] * 6
+    level_valued = [min(p, policy.match_records.acceptance(20) ** i)
+                    for i, p in enumerate(unique_path, start=1)]
+    assert estimated_draft(level_valued, lookup_costs.for_lookup(1), 0.05)[1] < best_speed(
+        policy.self_records.acceptances(["r"], policy.counters.rounds)[0], self_costs, 4)
+    assert policy.source_draft_length("r", unique_path, 20, 1, lookup_costs, self_costs) == 6
+    assert policy.source_draft_length("r", unique_path, 1, 1, lookup_costs, self_costs) == 0
+    branching = [0.5, 0.5, 0.5, 0.1, 0.1, 0.1]
+    assert policy.source_draft_length("r", branching, 20, 1, lookup_costs, self_costs) == 3
+
+
 def test_feedback_goes_to_the_record_of_the_drafts_verified():
     """vLLM keeps the drafts of a request its token budget leaves out of a
     step and verifies them in a later one: that feedback goes to the record

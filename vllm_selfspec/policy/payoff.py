@@ -266,13 +266,19 @@ class MatchRecords:
             accepted, verified, self.decay)
 
     def calibrated(self, path_probabilities: list[float], match_length: int) -> list[float]:
-        """The source's chance of each prefix being accepted whole, at most
-        what the acceptance of drafts found by matches this long makes it
-        (a^i for the i-th prefix); unchanged where the length is unknown (0)."""
-        if match_length < 1:
+        """The chance of each prefix being accepted whole: a^i for the i-th,
+        a the acceptance of drafts found by matches this long, times the
+        source's own fall along the path past its first token (p_i / p_1:
+        where the tree's past continuations branched). The source's level
+        (p_1) is not taken: a tree's first estimate reads about a half after a
+        one-token match and after a long one alike (a phrase seen once before
+        and once now), where the target follows the first far less often than
+        the second. Unchanged where the length is unknown (0)."""
+        if match_length < 1 or not path_probabilities:
             return path_probabilities
         acceptance = self.acceptance(match_length)
-        return [min(chance, acceptance ** prefix)
+        first = max(path_probabilities[0], 1e-9)
+        return [acceptance ** prefix * min(1.0, chance / first)
                 for prefix, chance in enumerate(path_probabilities, start=1)]
 
     def describe(self) -> dict[int, float]:
