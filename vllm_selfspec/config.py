@@ -105,10 +105,9 @@ LOOKUP_SOURCES = ("ngram", "suffix")
 # Cost-aware drafting sizes each request's lookups by their record below that
 # cap (`RoundPolicy.lookup_lengths`): long in text that copies long spans,
 # short where a match's continuation soon parts from the target's
-# (docs/results/batch1.md); a suffix tree estimates each prefix's chance of
-# acceptance itself, from how often a continuation followed the match, so its
-# drafts are cut by that estimate at the same costs instead. Without it every
-# lookup may run to the cap.
+# (docs/results/batch1.md); a suffix draft is cut at the same costs by the
+# acceptance of drafts found by matches as long, and where the trees'
+# continuations branched. Without it every lookup may run to the cap.
 # The suffix keys are vLLM's `suffix_decoding_*` defaults but for the cache of
 # past responses, kept smaller: each holds up to max_model_len tokens.
 LOOKUP_OPTIONS = {
@@ -206,9 +205,8 @@ class SelfSpecConfig(SpeculativeConfig):
     self-draft; requests without one self-draft as usual, in the same batch.
     With cost_aware, as many (up to `max_tokens` and num_speculative_tokens)
     as the request's own lookups' acceptance makes worth verifying (suffix
-    trees, which size each draft by how often its continuation followed the
-    match and how often drafts from matches as long were accepted, up to the
-    cap wherever some length pays); without it, `max_tokens`."""
+    trees: as drafts found by matches as long were accepted, cut where the
+    trees' past continuations branched); without it, `max_tokens`."""
     full_depth: Annotated[bool | None, Option(True)] = None
     """The full-depth draft over the same weights is the base a skip set or
     an early exit must beat. With cost_aware, a round drafts by the method's
