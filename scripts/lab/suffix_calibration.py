@@ -24,13 +24,12 @@ import numpy as np
 
 from vllm_selfspec import prompts as prompt_sets
 from vllm_selfspec.assets import ROOT
+from vllm_selfspec.config import LOOKUP_DEFAULTS
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench.provenance import provenance  # noqa: E402
 
-MAX_TREE_DEPTH = 24  # the suffix lookup's defaults (vllm_selfspec/config.py)
-MAX_SPEC_FACTOR = 1.0
-MIN_TOKEN_PROB = 0.1
+MAX_TREE_DEPTH = LOOKUP_DEFAULTS["max_tree_depth"]  # the suffix lookup's defaults
 
 
 def greedy_answers(model: str, num_prompts: int, max_tokens: int) -> list[tuple[list[int], list[int]]]:
@@ -38,21 +37,19 @@ def greedy_answers(model: str, num_prompts: int, max_tokens: int) -> list[tuple[
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(ROOT / "models" / model), dtype="float32", max_model_len=2048, seed=0)
-    tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False),
-        add_special_tokens=False) for text in prompt_sets.mixed(num_prompts)]
-    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
-                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    return [(prompt, list(output.outputs[0].token_ids)) for prompt, output in zip(prompts, outputs)]
-
+    prompts = prompt_sets.as_chat(llm.get_tokenizer(), prompt_sets.mixed(num_prompts))
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                   ignore_eos=True))
+    return [(list(output.prompt_token_ids), list(output.outputs[0].token_ids))
+            for output in outputs]
 
 def replay(answers: list[tuple[list[int], list[int]]]) -> list[dict]:
     """The trees' draft at every output position, with its match length, path
     probabilities and how many of its tokens the greedy answer accepts."""
     from arctic_inference.suffix_decoding import SuffixDecodingCache
 
-    cache = SuffixDecodingCache(max_tree_depth=MAX_TREE_DEPTH, max_cached_requests=1000)
+    cache = SuffixDecodingCache(max_tree_depth=MAX_TREE_DEPTH,
+                                max_cached_requests=LOOKUP_DEFAULTS["max_cached_requests"])
     drafts = []
     for index, (prompt, answer) in enumerate(answers):
         req_id = f"request-{index}"
@@ -60,8 +57,9 @@ def replay(answers: list[tuple[list[int], list[int]]]) -> list[dict]:
         context = list(prompt)
         for position, token in enumerate(answer):
             draft = cache.speculate(req_id, np.asarray(context[-MAX_TREE_DEPTH:], dtype=np.int32),
-                                    max_spec_tokens=16, max_spec_factor=MAX_SPEC_FACTOR,
-                                    min_token_prob=MIN_TOKEN_PROB)
+                                    max_spec_tokens=LOOKUP_DEFAULTS["max_tokens"],
+                                    max_spec_factor=LOOKUP_DEFAULTS["max_spec_factor"],
+                                    min_token_prob=LOOKUP_DEFAULTS["min_token_prob"])
             if draft.token_ids:
                 accepted = 0
                 for drafted, actual in zip(draft.token_ids, answer[position:]):
