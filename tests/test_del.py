@@ -110,14 +110,13 @@ def test_bad_configs_fail_at_start_up(model_dir, spec, message):
 def test_the_full_depth_base_drafts_where_the_exits_lose(plain_outputs, test_prompts):
     """Cost-aware over an int8 copy (`full_depth`, the default): the shipped
     exits draft only in the gate's trials (where their own choice drafts at
-    all: a trial whose exits all decline is the base's round), the copy's
+    all: a trial whose exits all decline is the base's round, and one whose
+    first exit token is below DEL's threshold drafts nothing), the copy's
     full-depth draft (far better accepted) the rest, losslessly."""
     outputs, by_base, by_mechanism, gate = gated_run(DEL, test_prompts)
     assert all(texts == plain_outputs[1] for texts in outputs)
     assert gate["mechanism_trials"] > 0, gate
     assert by_base > 4 * by_mechanism, (by_base, by_mechanism, gate)
-    # Every trial either drafted by the exits or fell back to the base.
-    assert by_mechanism > 0 or gate["declined_by_mechanism"] >= gate["mechanism_trials"], gate
     if gate["mechanism_acceptance"] is not None:
         assert gate["mechanism_acceptance"] < gate["base_acceptance"], gate
     assert gate["base_acceptance"] > 0.7, gate

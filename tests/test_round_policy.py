@@ -816,6 +816,32 @@ def test_lookups_and_self_drafts_are_gated_apart(lookups_pay):
     assert not policy.closed(len(batch), rounds, lookups=lookups_pay)
 
 
+def test_pinned_costs_stand_in_for_the_timings_and_the_gates():
+    """Costs pinned from outside (the tests' engines decide alike on any
+    CPU) are every round's, self-drafts' and lookups', with no plain round
+    timed and at a batch size the goodput gates closed; unpinned, the engine's
+    timings and gates decide again."""
+    from vllm_selfspec.policy.payoff import ForwardTimes, StepCosts, batch_bucket
+
+    policy = round_policy()  # fails if it asks for timings
+    pinned = StepCosts(per_draft=0.2, round_overhead=0.1, per_verified=0.02)
+    policy.shared_closed = {batch_bucket(1): 0.5}
+    policy.shared_lookup_closed = {batch_bucket(1): 0.5}
+    policy.pin_costs(pinned)
+    for _ in range(20):  # tries of the closed buckets aside, every round
+        policy.start_round(["a"], {"a"}, None, 1, 0.0)
+        assert policy.timed_costs(1) is pinned and policy.lookup_costs(1) is pinned
+        assert not policy.next_round_closed(1) and not policy.next_round_closed(1, lookups=True)
+    decision = policy.decide(["a"], 4, [True])
+    assert decision is not None and decision.steps > 0
+    policy.pin_costs(None)
+    rounds = policy.round_index
+    assert all(policy.closed(1, r) or policy.closed(1, r + 1) for r in range(rounds, rounds + 8))
+    policy.forward_times = ForwardTimes(**RECORDED_FORWARD_TIMES)
+    policy.start_round(["a"], {"a"}, None, 1, 0.0)
+    assert policy.timed_costs(1) is not pinned
+
+
 def test_a_try_of_a_bucket_closed_to_lookups_is_decided_not_repeated():
     """Where self-drafts decline by their budgets (so rounds repeat the last
     decline without deciding, `repeat_decline`) and lookup rounds were

@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from vllm_selfspec.policy.payoff import StepCosts
 from vllm_selfspec.proposers.timing import (
     decode_inputs,
     forward_step,
@@ -153,6 +154,14 @@ class SelfSpecWorkerExtension:
         drafter = self.model_runner.drafter
         policy = drafter.policy
         return {**policy.timings(), **drafter.timed_at_start_up()}
+
+    def selfspec_pin_costs(self, costs: dict | None) -> None:
+        """Cost-aware drafting decides every round at these costs
+        (`StepCosts`' fields, in plain steps) instead of the engine's timings
+        and goodput gates, so it chooses alike on any CPU; None: timed again
+        (`RoundPolicy.pin_costs`)."""
+        self.model_runner.drafter.policy.pin_costs(
+            None if costs is None else StepCosts(**costs))
 
     def selfspec_time_step_pieces(self, start: bool = False) -> dict | None:
         """Calls and seconds of each timed piece of the runner's steps since

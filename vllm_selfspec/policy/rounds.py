@@ -177,6 +177,9 @@ class RoundPolicy:
         self.shared_closed: dict[int, float] = {}
         self.shared_lookup_closed: dict[int, float] = {}
         self._costs_of_round: tuple[int, StepCosts | None | bool] | None = None  # (round, costs)
+        # Costs fixed from outside (`pin_costs`): they stand in for the timed
+        # ones and the goodput gates.
+        self.pinned_costs: StepCosts | None = None
         self._held_requests = 0  # requests vLLM held when state was last pruned
         self._quiet_until = 0  # rounds before this one may repeat the last decline
 
@@ -402,9 +405,21 @@ class RoundPolicy:
         self-drafts do at this batch size."""
         return self._gated_costs(batch_size, lookups=True)
 
+    def pin_costs(self, costs: StepCosts | None) -> None:
+        """Decide every round by `costs` (None: by the engine's timings again),
+        whatever the rounds measure and the goodput gates say: how cost-aware
+        drafting chooses at given costs, alike on any machine (the tests'
+        engines, what-if benchmarks). Each tensor-parallel rank must be given
+        the same costs (`collective_rpc` does)."""
+        self.pinned_costs = costs
+        self._costs_of_round = None
+        self._quiet_until = 0
+
     def _gated_costs(self, batch_size: int, lookups: bool) -> StepCosts | None | bool:
         if not self.options.cost_aware:
             return False
+        if self.pinned_costs is not None:
+            return self.pinned_costs
         # Once per round: sharing the costs is a tensor-parallel collective.
         if self._costs_of_round is None or self._costs_of_round[0] != self.counters.rounds:
             self._costs_of_round = (self.counters.rounds, self._round_costs(batch_size))
@@ -441,17 +456,19 @@ class RoundPolicy:
         """Round `rounds` self-drafts nothing (with `lookups`: looks nothing
         up): cost-aware, its batch's bucket is closed (such rounds were not
         measured to beat plain ones by the gate's margin) and this is not one
-        of the bucket's tries (`reopen_interval`)."""
+        of the bucket's tries (`reopen_interval`); never with pinned costs."""
         closed = self.shared_lookup_closed if lookups else self.shared_closed
         ratio = closed.get(batch_bucket(batch_size))
-        return (bool(self.options.cost_aware) and ratio is not None
+        return (bool(self.options.cost_aware) and self.pinned_costs is None
+                and ratio is not None
                 and rounds % reopen_interval(ratio, self.options.probe_every,
                                              PROBE_SHARE) != 0)
 
     def _lookup_try(self, batch_size: int, rounds: int) -> bool:
         """Round `rounds` is a try of a bucket closed to lookups (it must
         decide: lookups may draft in it)."""
-        return (batch_bucket(batch_size) in self.shared_lookup_closed
+        return (self.pinned_costs is None
+                and batch_bucket(batch_size) in self.shared_lookup_closed
                 and not self.closed(batch_size, rounds, lookups=True))
 
     def next_round_closed(self, batch_size: int, lookups: bool = False) -> bool:
