@@ -840,7 +840,9 @@ def test_pinned_costs_stand_in_for_the_timings_and_the_gates():
     assert sum(policy.closed(1, r) for r in range(rounds, rounds + 8)) >= 7
     policy.forward_times = ForwardTimes(**RECORDED_FORWARD_TIMES)
     policy.start_round(["a"], {"a"}, None, 1, 0.0)
-    assert policy.timed_costs(1) is not pinned
+    # Unpinned and with no costs shared yet, the round drafts nothing: it times
+    # a plain step.
+    assert policy.timed_costs(1) is None
 
 
 def test_a_try_of_a_bucket_closed_to_lookups_is_decided_not_repeated():

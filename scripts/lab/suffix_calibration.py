@@ -43,6 +43,7 @@ def greedy_answers(model: str, num_prompts: int, max_tokens: int) -> list[tuple[
     return [(list(output.prompt_token_ids), list(output.outputs[0].token_ids))
             for output in outputs]
 
+
 def replay(answers: list[tuple[list[int], list[int]]]) -> list[dict]:
     """The trees' draft at every output position, with its match length, path
     probabilities and how many of its tokens the greedy answer accepts."""
