@@ -202,6 +202,26 @@ def test_cpu_expand_kernel_keeps_float_values():
     assert expanded.tolist() == pytest.approx([0.8, 0.8, 1.0, 1.0, 1.0, 0.5])
 
 
+def test_kernel_overrides_are_registered_once_per_process(monkeypatch):
+    """vLLM-CPU registers its kernel overrides at every worker start; with the
+    plugin only the first start in a process does (a second registration's
+    scan fails once numba is loaded), and what it registered stays."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.triton_utils import dispatcher
+
+    from vllm_selfspec.integration import cpu_kernels
+
+    patches.apply_patches()
+    registered = []
+    monkeypatch.setattr(dispatcher, "register_kernels", registered.append)
+    monkeypatch.setattr(cpu_kernels, "_overrides_registered", False)
+    CpuPlatform.register_triton_kernel_overrides()
+    CpuPlatform.register_triton_kernel_overrides()
+    (overrides,) = registered
+    assert overrides["vllm.v1.sample.rejection_sampler.expand_kernel"] is \
+        cpu_kernels.expand_kernel_impl
+
+
 def test_a_steps_drafts_reach_the_scheduler_without_a_second_message():
     """The drafts ride on the output through vLLM's worker-to-engine pickling,
     and post_step schedules them without asking the worker again; an output

