@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import gc
 import os
 import shutil
 import sys
@@ -252,6 +253,38 @@ def forced(spec: dict, exact_draft: bool = True) -> dict:
     return {"cost_aware": False, **(EXACT_DRAFT if exact_draft else {}), **spec}
 
 
+# One-rank test engines run their engine core in this process (vLLM's own
+# switch): no engine-core process to spawn and import vLLM and torch again,
+# which took a large share of each of the suite's many engine starts.
+# Tensor-parallel engines keep vLLM's worker processes. Subprocesses that start
+# an engine of their own take the same environment.
+ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+_live_in_process: dict[int, object] = {}  # id() of each running in-process engine: its config
+
+
+@contextlib.contextmanager
+def in_process():
+    """Start an engine in this process: ONE_PROCESS set while it starts; what
+    earlier engines left for the garbage collector is collected first (each
+    engine core freezes the collector's objects at start-up)."""
+    from vllm import envs
+
+    saved = {key: os.environ.get(key) for key in ONE_PROCESS}
+    os.environ.update(ONE_PROCESS)
+    envs.disable_envs_cache()
+    gc.unfreeze()
+    gc.collect()
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        envs.disable_envs_cache()
+
+
 def start_engine(speculative_config: dict | None = None, exact_draft: bool = True,
                  **overrides):
     from vllm import LLM
@@ -259,15 +292,45 @@ def start_engine(speculative_config: dict | None = None, exact_draft: bool = Tru
     if speculative_config is not None:
         speculative_config = forced(speculative_config, exact_draft)
         overrides.setdefault("per_request_spec_decode_metrics", "summary")
-    return LLM(**{**ENGINE_DEFAULTS, **overrides}, speculative_config=speculative_config)
+    args = {**ENGINE_DEFAULTS, **overrides}
+    if args.get("tensor_parallel_size", 1) > 1:
+        return LLM(**args, speculative_config=speculative_config)
+    with in_process():
+        llm = LLM(**args, speculative_config=speculative_config)
+    _live_in_process[id(llm)] = llm.llm_engine.vllm_config
+    return llm
 
 
 def stop_engine(llm) -> None:
     """The benchmark's shutdown (imported here so the engine-free tier does
-    not load vLLM)."""
+    not load vLLM). An in-process engine core's shutdown tears down the
+    process's distributed groups, which every in-process engine shares: while
+    others still run, one-rank groups are set up again for them."""
     from bench.runner import shutdown
 
+    in_process_engine = _live_in_process.pop(id(llm), None) is not None
     shutdown(llm)
+    if in_process_engine and _live_in_process:
+        _restore_one_rank_groups(next(iter(_live_in_process.values())))
+
+
+def _restore_one_rank_groups(vllm_config) -> None:
+    """The groups a one-rank vLLM worker sets up (world, tensor, pipeline and
+    the others vLLM keeps), over a fresh local gloo store, under a running
+    engine's config (vLLM reads it while it builds them)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import (
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
+    from vllm.utils.network_utils import get_distributed_init_method, get_open_port
+
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo",
+            distributed_init_method=get_distributed_init_method("127.0.0.1",
+                                                                get_open_port()))
+        ensure_model_parallel_initialized(1, 1)
 
 
 @dataclass
@@ -375,7 +438,9 @@ REPRODUCED = 32  # seeded samples drawn twice by the sampling test
 
 
 def assert_same_sampling_distribution(llm, reference_llm, samples: int = 300,
-                                      after_rejections: bool = False, **sampling) -> None:
+                                      after_rejections: bool = False,
+                                      reproducible: bool = True, **sampling
+                                      ) -> Acceptance:
     """Chi-square test of the 2nd and 3rd tokens sampled at temperature 0.8,
     which speculation produces through draft verification (the 1st comes from
     the prefill), against an engine without speculation; seeded requests
@@ -384,7 +449,10 @@ def assert_same_sampling_distribution(llm, reference_llm, samples: int = 300,
     remainder (the test checks that rejections happened), so a wrong residual
     distribution or a rollback bug shows there even where the first tokens
     look right. `sampling`: more SamplingParams (top-k, penalties, n: then
-    samples / n requests, each seeded apart from its siblings' seeds)."""
+    samples / n requests, each seeded apart from its siblings' seeds).
+    `reproducible` False: drafts come from other requests' answers, so a
+    seeded request re-drawn later may differ (not checked). Returns
+    the drafts' acceptance over the samples."""
     prompt, max_tokens, positions = (("The weather today is", 10, (1, 2, 6, 9))
                                      if after_rejections
                                      else ("My favourite animal is the", 3, (1, 2)))
@@ -392,13 +460,15 @@ def assert_same_sampling_distribution(llm, reference_llm, samples: int = 300,
     n = sampling.get("n", 1)
     seeds = range(0, samples, n)
     ours, acceptance = _sampled_tokens(llm, prompt, seeds, max_tokens, positions, extra)
-    # Re-drawn in other batches: a request's draft must not depend on its batch.
-    assert _sampled_tokens(llm, prompt, seeds[:REPRODUCED], max_tokens, positions,
-                           extra)[0] == ours[:REPRODUCED * n], "seeded requests did not reproduce"
+    if reproducible:  # re-drawn in other batches: a draft must not depend on its batch
+        assert _sampled_tokens(llm, prompt, seeds[:REPRODUCED], max_tokens, positions,
+                               extra)[0] == ours[:REPRODUCED * n], (
+            "seeded requests did not reproduce")
     if after_rejections:
         assert acceptance.drafted > acceptance.accepted > 0, acceptance
     _assert_same_columns(ours, _reference_samples(reference_llm, prompt, seeds,
                                                   max_tokens, positions, extra))
+    return acceptance
 
 
 def _assert_same_columns(ours, reference) -> None:

@@ -8,6 +8,7 @@ start-up, and a training run that lowers held-out KL."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import (
+    ONE_PROCESS,
     Acceptance,
     assert_every_draft_accepted,
     assert_greedy_parity_with_rejections,
@@ -165,7 +167,7 @@ def test_training_lowers_held_out_kl(tiny_llama_dir, tmp_path):
          "--model", str(tiny_llama_dir), "--exit-layers", "1,2", "--num-prompts", "4",
          "--max-tokens", "32", "--epochs", "4", "--batch-tokens", "64",
          "--held-out", "0.25", "--out", str(out), "--workdir", str(tmp_path / "work")],
-        check=True, cwd=ROOT, timeout=900,
+        check=True, cwd=ROOT, timeout=900, env={**os.environ, **ONE_PROCESS},
     )
     meta = json.loads((out / "heads.json").read_text())
     for layer in ("1", "2"):

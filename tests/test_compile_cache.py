@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+from tests.conftest import ONE_PROCESS
+
 START = """
 import json, sys
 from vllm import LLM, SamplingParams
@@ -34,7 +36,7 @@ def _start(model: str, cache: str) -> tuple[list[int], dict[str, int], str]:
     for 8 requests, and its log."""
     result = subprocess.run([sys.executable, "-c", START, model], capture_output=True,
                             text=True, timeout=900,
-                            env={**os.environ, "VLLM_CACHE_ROOT": cache})
+                            env={**os.environ, **ONE_PROCESS, "VLLM_CACHE_ROOT": cache})
     assert result.returncode == 0, result.stderr[-4000:]
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("REPORT ")]
     tokens, rows = json.loads(line.removeprefix("REPORT "))

@@ -3,13 +3,22 @@ drafts from its own text, one that does not self-drafts, each request's
 summary says where its tokens came from, and outputs stay plain vLLM's (at
 batch 1 and 8 in test_draft_verify.py, on the same engine). With the suffix
 source (Arctic Inference's trees), a request that repeats an earlier one's
-answer drafts it from the cache of past responses, which stays bounded."""
+answer drafts it from the cache of past responses, which stays bounded, and
+sampled requests drafting from each other's answers keep the target's
+distribution."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from tests.conftest import Acceptance, greedy, start_engine, stop_engine
+from tests.conftest import (
+    Acceptance,
+    assert_same_sampling_distribution,
+    greedy,
+    start_engine,
+    stop_engine,
+)
 from vllm_selfspec.diagnostics import WORKER_EXTENSION
 
 PASSAGE = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles "
@@ -161,25 +170,47 @@ def test_the_suffix_source_drafts_from_the_requests_own_prompt_and_restarts_clea
     assert lookup.fed == {"a": 3}
 
 
-def test_suffix_lookup_keeps_greedy_parity_and_drafts_a_repeated_answer(plain,
-                                                                       test_prompts):
-    """The recommended draft with suffix lookups: outputs are plain vLLM's,
-    and a prompt asked again drafts its answer from the first one's."""
+@pytest.fixture(scope="module")
+def suffix_lookups():
+    """The recommended draft with suffix lookups (a fresh cache of past
+    responses: the first test in this module to use it counts on that)."""
     llm = start_engine({"method": "draft_verify", "lookup": {"source": "suffix"}},
                        worker_extension_cls=WORKER_EXTENSION)
-    try:
-        prompts = test_prompts[:4]
-        assert greedy(llm, prompts, 4, max_tokens=32) == greedy(plain, prompts, 4,
-                                                                 max_tokens=32)
-        again = Acceptance()
-        assert greedy(llm, prompts[:1], 1, max_tokens=32, acceptance=again) == greedy(
-            plain, prompts[:1], 1, max_tokens=32)
-        (state,) = llm.collective_rpc("selfspec_state")
-    finally:
-        stop_engine(llm)
+    yield llm
+    stop_engine(llm)
+
+
+def test_suffix_lookup_keeps_greedy_parity_and_drafts_a_repeated_answer(suffix_lookups,
+                                                                       plain,
+                                                                       test_prompts):
+    """Outputs are plain vLLM's, and a prompt asked again drafts its answer
+    from the first one's."""
+    llm = suffix_lookups
+    prompts = test_prompts[:4]
+    assert greedy(llm, prompts, 4, max_tokens=32) == greedy(plain, prompts, 4,
+                                                             max_tokens=32)
+    again = Acceptance()
+    assert greedy(llm, prompts[:1], 1, max_tokens=32, acceptance=again) == greedy(
+        plain, prompts[:1], 1, max_tokens=32)
+    (state,) = llm.collective_rpc("selfspec_state")
     sources = again.sources
     assert sources["lookup_drafted"] >= 16, sources
     assert sources["lookup_accepted"] / sources["lookup_drafted"] > 0.8, sources
     # Five requests ran; a tree is held only while vLLM holds its request (the
     # last one's goes at the next round, as every per-request state does).
     assert state["requests_with_state"]["suffix_trees"] <= 1, state
+
+
+def test_suffix_lookup_keeps_the_target_distribution_also_after_rejections(suffix_lookups,
+                                                                          plain):
+    """Hundreds of sampled requests of one prompt: each later one drafts from
+    the earlier ones' answers in the cache of past responses, which its own
+    samples often leave (rejected, resampled from the remainder); the tokens
+    before and after those rejections keep the target's distribution. A seeded
+    request drawn again drafts from more answers than the first time, so its
+    text may differ (README, "Seeded sampling"), as with vLLM's `suffix`."""
+    acceptance = assert_same_sampling_distribution(suffix_lookups, plain,
+                                                   after_rejections=True,
+                                                   reproducible=False)
+    sources = acceptance.sources
+    assert sources["lookup_drafted"] > sources["lookup_accepted"] > 0, sources
