@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -220,6 +221,33 @@ def test_kernel_overrides_are_registered_once_per_process(monkeypatch):
     (overrides,) = registered
     assert overrides["vllm.v1.sample.rejection_sampler.expand_kernel"] is \
         cpu_kernels.expand_kernel_impl
+
+
+def test_the_kernel_scan_survives_llvmlite_loaded_first(monkeypatch):
+    """A process that loaded llvmlite (numba, the lookup's matcher) before
+    its first engine: vLLM's real scan for kernel holders runs over every
+    loaded module and rebinds a holder of a registered kernel, where without
+    the plugin it failed on llvmlite's FFI library."""
+    import importlib
+    import types
+
+    from vllm.triton_utils import dispatcher
+
+    from vllm_selfspec.integration import cpu_kernels
+
+    importlib.import_module("llvmlite.binding")  # its FFI library broke the scan
+    kernel, replacement = object(), object()
+    holder = types.ModuleType("selfspec_kernel_holder")
+    holder.kernel = kernel
+    monkeypatch.setitem(sys.modules, holder.__name__, holder)
+    pairs = [(kernel, replacement)]
+    with pytest.raises(AttributeError):
+        dispatcher._rebind_kernels(pairs)  # vLLM's scan as shipped
+    monkeypatch.setattr(cpu_kernels, "original", lambda *names: classmethod(
+        lambda cls: dispatcher._rebind_kernels(pairs)))
+    monkeypatch.setattr(cpu_kernels, "_overrides_registered", False)
+    cpu_kernels.register_kernel_overrides_once(object)
+    assert holder.kernel is replacement and not hasattr(dispatcher, "vars")
 
 
 def test_a_steps_drafts_reach_the_scheduler_without_a_second_message():

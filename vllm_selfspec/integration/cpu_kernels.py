@@ -13,6 +13,7 @@ unaffected; this replacement is only ever called on the CPU fallback path.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -41,15 +42,32 @@ def expand_kernel_impl(
 
 def register_kernel_overrides_once(cls: Any) -> None:
     """vLLM-CPU's kernel overrides, registered at the first worker start in a
-    process only. vLLM registers them at every worker start, and each
-    registration scans every loaded module for holders of the kernels; the
-    scan fails on numba's objects, which the lookup's matcher loads, so a
-    second engine in one process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) died at
-    start-up after an engine with lookups. The first registration swapped the
-    kernels where they are defined, so modules imported later get the
+    process only, with a scan that survives llvmlite. vLLM registers them at
+    every worker start, and each registration scans every loaded module for
+    holders of the kernels, reading each object's `vars()`; llvmlite's FFI
+    library object (loaded with numba, which the lookup's matcher uses)
+    answers any attribute, `__dict__` included, with a function wrapper, so
+    the scan failed in an engine started in a process that had loaded numba
+    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`; a second engine after one with
+    lookups, or any engine after a lookup). The first registration swapped
+    the kernels where they are defined, so modules imported later get the
     overrides too."""
     global _overrides_registered
-    if not _overrides_registered:
+    if _overrides_registered:
+        return
+    from vllm.triton_utils import dispatcher
+
+    dispatcher.vars = _namespace  # the scan's `vars`, for its duration only
+    try:
         original("vllm.platforms.cpu", "CpuPlatform",
                  "register_triton_kernel_overrides").__func__(cls)
-        _overrides_registered = True
+    finally:
+        del dispatcher.vars
+    _overrides_registered = True
+
+
+def _namespace(value: Any) -> Mapping:
+    """`vars(value)`, or an empty mapping where an object's `__dict__` is
+    not a mapping (llvmlite's FFI library object)."""
+    namespace = vars(value)
+    return namespace if isinstance(namespace, Mapping) else {}

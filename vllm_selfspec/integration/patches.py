@@ -144,9 +144,10 @@ PATCHES = (
     Patch(
         "vllm.platforms.cpu", "CpuPlatform", "register_triton_kernel_overrides",
         "vllm_selfspec.integration.cpu_kernels:register_kernel_overrides_once",
-        "CPU build: registered again at a second engine's start in one process, "
-        "vLLM's scan for the kernels' holders fails on the numba objects the "
-        "lookup's matcher loaded; once per process is enough",
+        "CPU build: once per process is enough, and vLLM's scan for the kernels' "
+        "holders reads vars() of every module global, which fails on llvmlite's FFI "
+        "library (loaded with numba, which the lookup's matcher uses): the scan "
+        "runs with a vars() that reads it as empty",
     ),
     Patch(
         "torch._dynamo.aot_compile_types", "BundledAOTAutogradSerializableCallable",
@@ -240,6 +241,8 @@ USED_INTERNALS = (
      "lookup drafts: vLLM's n-gram matcher on a request's own tokens"),
     ("vllm.v1.sample.sampler", "", "_SAMPLING_EPS",
      "draft sampling treats a row as greedy where vLLM's sampler does"),
+    ("vllm.triton_utils.dispatcher", "", "_rebind_kernels",
+     "the kernel-override scan, whose module-global vars() the CPU registration shadows"),
     ("vllm.platforms.interface", "Platform", "get_device_total_memory",
      "draft_precision 'auto' on a GPU weighs an int8 copy against the device's memory"),
 )
