@@ -49,9 +49,11 @@ def batch_decode_time(outputs) -> tuple[int, float]:
 
 def profile(model_dir, spec: dict | None, prompts: list[str], engine_args,
             max_tokens: int, passes: int, batch_size: int = 1,
-            temperature: float = 0.0) -> dict:
+            temperature: float = 0.0, operators: bool = False) -> dict:
     """Per-step milliseconds of each piece, and the step's own, over all
-    passes; and each pass's tokens/s and forward, in the order they ran."""
+    passes; milliseconds per call of each piece; each pass's tokens/s and
+    forward, in the order they ran; with `operators`, one more pass under the
+    torch profiler: its top operators by self time, per decode step."""
     from vllm import SamplingParams
 
     llm = start(model_dir, spec, engine_args)
@@ -67,6 +69,19 @@ def profile(model_dir, spec: dict | None, prompts: list[str], engine_args,
                 prompts[start_index:start_index + batch_size], params, use_tqdm=False))
             tokens, seconds = tokens + decoded, seconds + decode_seconds
         runs.append((tokens, seconds, llm.collective_rpc("selfspec_time_step_pieces")[0]))
+    by_operator = None
+    if operators:
+        llm.collective_rpc("selfspec_time_step_pieces", args=(True,))
+        llm.collective_rpc("selfspec_profile_steps", args=(True,))
+        for start_index in range(0, len(prompts), batch_size):
+            llm.generate(prompts[start_index:start_index + batch_size], params, use_tqdm=False)
+        report = llm.collective_rpc("selfspec_profile_steps")[0]
+        # Over the pass's decode steps; the prompts' prefills are in the
+        # operators' times too (one step per prompt).
+        steps = llm.collective_rpc("selfspec_time_step_pieces")[0]["execute_model"][0]
+        by_operator = {"decode_steps": steps, "ms_per_step": report["self_ms"] / steps,
+                       "operators": [{**op, "ms_per_step": op["self_ms"] / steps}
+                                     for op in report["operators"]]}
     shutdown(llm)
     tokens, seconds = sum(run[0] for run in runs), sum(run[1] for run in runs)
     labels = {label for run in runs for label in run[2]}  # a pass may miss a piece
@@ -80,6 +95,11 @@ def profile(model_dir, spec: dict | None, prompts: list[str], engine_args,
     return {"tokens_per_s": tokens / seconds, "tokens_per_step": tokens / steps,
             "step_ms": step_ms, "steps": steps,
             "pieces_ms": {k: round(v, 3) for k, v in per_step.items()},
+            "ms_per_call": {label: round(1000 * total / calls, 3)
+                            for label, (calls, total) in pieces.items() if calls},
+            "calls_per_step": {label: round(calls / steps, 3)
+                               for label, (calls, _) in pieces.items()},
+            "operators": by_operator,
             "passes": [{"tokens_per_s": round(t / s, 2), "execute_model_ms": round(
                 1000 * p["execute_model"][1] / p["execute_model"][0], 3)} for t, s, p in runs]}
 
@@ -99,6 +119,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1,
                         help="prompts decoded together (each run to --max-tokens)")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--operators", action="store_true",
+                        help="one more pass per engine under the torch profiler: its top "
+                             "operators by self time per decode step")
     parser.add_argument("--name", help="results file stem")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -110,7 +133,7 @@ def main() -> None:
     configs = method_configs(model_dir, engine_args)
     prompts = benchmark_prompts(AutoTokenizer.from_pretrained(model_dir), args.num_prompts)
     results = {name: profile(model_dir, configs[name], prompts, engine_args, args.max_tokens,
-                             args.passes, args.batch_size, args.temperature)
+                             args.passes, args.batch_size, args.temperature, args.operators)
                for name in tqdm(args.methods.split(","), desc="engines", file=CONSOLE)}
     labels = ["step_ms", *RUNNER_PIECES, *(f"drafter.{name}" for name in DRAFTER_PIECES),
               "engine_core_and_messages"]
@@ -127,6 +150,21 @@ def main() -> None:
     if plain:
         print(f"{'x plain':26}" + "".join(
             f"{r['tokens_per_s'] / plain['tokens_per_s']:>14.3f}" for r in results.values()))
+    print("ms per call (calls per step):")
+    for label in labels[1:-1]:
+        values = [(r["ms_per_call"].get(label), r["calls_per_step"].get(label))
+                  for r in results.values()]
+        if any(v[0] is not None for v in values):
+            print(f"{label:26}" + "".join(
+                f"{'-':>14}" if v is None else f"{f'{v:.2f} ({c:.2f})':>14}" for v, c in values))
+    for method, result in results.items():
+        if result["operators"]:
+            report = result["operators"]
+            print(f"{method}: operators by self time, ms per decode step "
+                  f"({report['ms_per_step']:.2f} in all; calls per step)")
+            for op in report["operators"]:
+                print(f"  {op['name'][:60]:62}{op['ms_per_step']:8.3f}"
+                      f"{op['calls'] / report['decode_steps']:9.2f}")
     if args.passes > 1:
         print("per pass, tokens/s (execute_model ms):")
         for method, result in results.items():

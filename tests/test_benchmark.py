@@ -210,6 +210,30 @@ def test_step_pieces_count_decode_steps_only():
     assert time_step_pieces(runner, start=False) == {"sample_tokens": [1, pytest.approx(0, abs=0.1)]}
 
 
+def test_step_profile_counts_the_operators_run_between_start_and_stop():
+    """profile_step.py's `--operators`: the operators the engine's steps ran
+    after `start`, none before it or after the read, by self time."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_selfspec.diagnostics import profile_decode_steps
+
+    runner, x = SimpleNamespace(), torch.ones(64, 64)
+    torch.mm(x, x)  # before the start: not counted
+    assert profile_decode_steps(runner, start=True) is None
+    for _ in range(3):
+        torch.mm(x, x)
+    torch.tanh(x)
+    report = profile_decode_steps(runner, start=False)
+    torch.mm(x, x)  # after the read: not counted
+    calls = {op["name"]: op["calls"] for op in report["operators"]}
+    assert calls["aten::mm"] == 3 and calls["aten::tanh"] == 1
+    assert report["self_ms"] >= sum(op["self_ms"] for op in report["operators"]) > 0
+    with pytest.raises(RuntimeError, match="start it first"):
+        profile_decode_steps(runner, start=False)
+
+
 def test_every_prompt_set_takes_turns_request_by_request():
     """`--prompt-set every`: the issue's four kinds, as many of each, in turn."""
     requests = benchmark_requests(2, prompt_set_names("every"))

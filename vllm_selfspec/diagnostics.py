@@ -17,7 +17,8 @@ profiling mode as the start-up timings are (`proposers/timing.py`).
 number of tokens. `selfspec_round_costs` returns what the engine itself timed: whole rounds,
 plain and drafted, everything a user waits for included.
 `selfspec_time_step_pieces` times the runner's parts of each step while
-serving (the forward, sampling, drafting, bookkeeping), for
+serving (the forward, sampling, drafting and each draft step, bookkeeping),
+and `selfspec_profile_steps` breaks those steps down by operator, for
 `scripts/profile_step.py`.
 """
 
@@ -168,6 +169,11 @@ class SelfSpecWorkerExtension:
         `start` (which clears the record and starts timing)."""
         return time_step_pieces(self.model_runner, start)
 
+    def selfspec_profile_steps(self, start: bool = False) -> dict | None:
+        """Operators by self time over the steps since `start` (which starts
+        the profiler): `profile_decode_steps`."""
+        return profile_decode_steps(self.model_runner, start)
+
     def selfspec_counters(self) -> dict:
         """Rounds (target forwards), draft steps and draft layers run so far."""
         return self.model_runner.drafter.policy.work_done()
@@ -207,7 +213,9 @@ def _ray_actor_id() -> str | None:
 # then sampling, the drafter and output bookkeeping.
 RUNNER_PIECES = ("execute_model", "_prepare_inputs", "sample_tokens", "_sample",
                  "propose_draft_token_ids", "_bookkeeping_sync")
-DRAFTER_PIECES = ("decline_early", "propose")  # ours has both; vLLM's only propose
+# Ours has all (one draft step: `draft_step`, a full-depth base's `base_step`);
+# vLLM's only propose.
+DRAFTER_PIECES = ("decline_early", "propose", "draft_step", "base_step")
 
 
 def time_step_pieces(runner, start: bool) -> dict | None:
@@ -220,6 +228,32 @@ def time_step_pieces(runner, start: bool) -> dict | None:
         timer.record.clear()
         return None
     return {label: list(value) for label, value in timer.record.items()}
+
+
+def profile_decode_steps(runner, start: bool, top: int = 30) -> dict | None:
+    """Operators by self time over the engine's own steps since `start`
+    (torch profiler, CPU), where `profile_forwards` times forwards in
+    profiling mode: here attention runs over real metadata and the drafter's
+    loop runs as it does while serving. Returns the `top` operators, each
+    with its calls and self milliseconds, and the total self milliseconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    profiler = getattr(runner, "selfspec_step_profiler", None)
+    if start:
+        if profiler is not None:
+            profiler.stop()
+        runner.selfspec_step_profiler = profile(activities=[ProfilerActivity.CPU])
+        runner.selfspec_step_profiler.start()
+        return None
+    if profiler is None:
+        raise RuntimeError("selfspec_profile_steps: start it first (start=True)")
+    profiler.stop()
+    runner.selfspec_step_profiler = None
+    events = [e for e in profiler.key_averages() if e.self_cpu_time_total > 0]
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return {"self_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
+            "operators": [{"name": e.key, "calls": e.count,
+                           "self_ms": e.self_cpu_time_total / 1e3} for e in events[:top]]}
 
 
 class StepPieceTimer:
