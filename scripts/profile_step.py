@@ -60,27 +60,30 @@ def profile(model_dir, spec: dict | None, prompts: list[str], engine_args,
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
                             ignore_eos=batch_size > 1)
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
-    runs = []
-    for _ in range(passes):
+
+    def decode_pass() -> tuple[int, float, dict]:
+        """Every prompt decoded once: decode tokens, their seconds, and the
+        step pieces the worker timed."""
         llm.collective_rpc("selfspec_time_step_pieces", args=(True,))
         tokens, seconds = 0, 0.0
         for start_index in range(0, len(prompts), batch_size):
             decoded, decode_seconds = batch_decode_time(llm.generate(
                 prompts[start_index:start_index + batch_size], params, use_tqdm=False))
             tokens, seconds = tokens + decoded, seconds + decode_seconds
-        runs.append((tokens, seconds, llm.collective_rpc("selfspec_time_step_pieces")[0]))
+        return tokens, seconds, llm.collective_rpc("selfspec_time_step_pieces")[0]
+
+    runs = [decode_pass() for _ in range(passes)]
     by_operator = None
     if operators:
-        llm.collective_rpc("selfspec_time_step_pieces", args=(True,))
         llm.collective_rpc("selfspec_profile_steps", args=(True,))
-        for start_index in range(0, len(prompts), batch_size):
-            llm.generate(prompts[start_index:start_index + batch_size], params, use_tqdm=False)
+        *_, profiled_pieces = decode_pass()
         report = llm.collective_rpc("selfspec_profile_steps")[0]
         # Over the pass's decode steps; the prompts' prefills are in the
         # operators' times too (one step per prompt).
-        steps = llm.collective_rpc("selfspec_time_step_pieces")[0]["execute_model"][0]
-        by_operator = {"decode_steps": steps, "ms_per_step": report["self_ms"] / steps,
-                       "operators": [{**op, "ms_per_step": op["self_ms"] / steps}
+        decode_steps = profiled_pieces["execute_model"][0]
+        by_operator = {"decode_steps": decode_steps,
+                       "ms_per_step": report["self_ms"] / decode_steps,
+                       "operators": [{**op, "ms_per_step": op["self_ms"] / decode_steps}
                                      for op in report["operators"]]}
     shutdown(llm)
     tokens, seconds = sum(run[0] for run in runs), sum(run[1] for run in runs)

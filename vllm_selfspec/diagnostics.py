@@ -55,14 +55,19 @@ def profile_forwards(worker, batch_size: int = 1, steps: int = 5, top: int = 20)
         with profile(activities=[ProfilerActivity.CPU]) as profiler:
             for _ in range(steps):
                 run()
-        events = [e for e in profiler.key_averages() if e.self_cpu_time_total > 0]
+        events = operators_by_self_time(profiler)
         total = sum(e.self_cpu_time_total for e in events)
-        events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
         report[name] = {"ms_per_step": total / steps / 1e3, "operators": [
             {"name": e.key, "ms_per_step": e.self_cpu_time_total / steps / 1e3,
              "share": e.self_cpu_time_total / total, "calls_per_step": e.count / steps}
             for e in events[:top]]}
     return report
+
+
+def operators_by_self_time(profiler) -> list:
+    """A finished torch profile's operators that took self time, most first."""
+    events = [e for e in profiler.key_averages() if e.self_cpu_time_total > 0]
+    return sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
 
 
 WORKER_EXTENSION = "vllm_selfspec.diagnostics.SelfSpecWorkerExtension"
@@ -249,8 +254,7 @@ def profile_decode_steps(runner, start: bool, top: int = 30) -> dict | None:
         raise RuntimeError("selfspec_profile_steps: start it first (start=True)")
     profiler.stop()
     runner.selfspec_step_profiler = None
-    events = [e for e in profiler.key_averages() if e.self_cpu_time_total > 0]
-    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    events = operators_by_self_time(profiler)
     return {"self_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
             "operators": [{"name": e.key, "calls": e.count,
                            "self_ms": e.self_cpu_time_total / 1e3} for e in events[:top]]}
