@@ -30,6 +30,8 @@ def cheap(request):
 
 
 def test_the_draft_reads_an_int8_copy_and_a_reduced_head(cheap, model_dir):
+    """...and, on the CPU, every layer it drafts through attends through one
+    op (`draft/attention.py`); the greedy tests below show it attends right."""
     import json
 
     (report,) = cheap.collective_rpc("selfspec_draft_weights")
@@ -38,6 +40,7 @@ def test_the_draft_reads_an_int8_copy_and_a_reduced_head(cheap, model_dir):
     assert report["vocab_tokens"] == vocab["size"] < 49152
     # float32 model: int8 linears are a quarter of their bytes, the head a subset.
     assert 0.05 * report["model_bytes"] < report["extra_bytes"] < 0.3 * report["model_bytes"]
+    assert report["one_op_attention_layers"] == report["draft_depth"] >= 22
 
 
 def test_the_draft_forward_multiplies_in_int8(cheap):

@@ -142,13 +142,20 @@ class SelfSpecWorkerExtension:
 
     def selfspec_draft_weights(self) -> dict:
         """What the draft reads: its precision, the copy's bytes on this rank
-        beside the model's, and how many tokens its head keeps (None: all)."""
+        beside the model's, how many tokens its head keeps (None: all), how
+        many of the target's layers any draft runs through, and how many of
+        those attend through one op (`draft/attention.py`)."""
+        from vllm_selfspec.draft.attention import DraftAttention
+
         drafter = self.model_runner.drafter
         weights = drafter.draft_weights
         vocab = drafter.options.draft_vocab_token_ids()
         return {"precision": weights.precision, "extra_bytes": weights.extra_bytes,
                 "model_bytes": weights.model_bytes,
-                "vocab_tokens": None if vocab is None else len(vocab)}
+                "vocab_tokens": None if vocab is None else len(vocab),
+                "draft_depth": drafter.draft_depth(len(weights.layers)),
+                "one_op_attention_layers": sum(isinstance(m, DraftAttention)
+                                               for m in weights.layers.modules())}
 
     def selfspec_round_costs(self) -> dict:
         """The engine's timed rounds (plain, drafted and looked-up, seconds,

@@ -11,14 +11,18 @@ model: the draft step pays for the layers it runs, not for Python per layer.
 
 from __future__ import annotations
 
+import copy
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import torch
 import torch.nn as nn
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import VllmConfig
+from vllm.config import VllmConfig, set_current_vllm_config
 
+from vllm_selfspec.draft.attention import one_op_attention
 from vllm_selfspec.draft.plan import LayerPlan
 from vllm_selfspec.draft.weights import DraftWeights
 
@@ -105,11 +109,31 @@ def _run_plan(layers, norm, run_layer, plan: LayerPlan, hidden_states: torch.Ten
     return hidden_states
 
 
+@contextmanager
+def draft_compile_config(vllm_config: VllmConfig) -> Iterator[VllmConfig]:
+    """The config to build a compiled draft module under (as its
+    `vllm_config`, and current while it is built, when vLLM's compile wrapper
+    reads its inductor options). Where drafts attend through
+    `DraftAttention`, a copy whose inductor options add `cpp_wrapper`: the
+    draft graph's host code, a few calls per layer run for one token, is C++
+    instead of Python. The target's graph keeps vLLM's options; the copy's
+    cache key differs, so their compiled files never mix."""
+    if not one_op_attention():
+        yield vllm_config
+        return
+    config = copy.copy(vllm_config)
+    config.compilation_config = copy.copy(vllm_config.compilation_config)
+    config.compilation_config.inductor_compile_config = {
+        **vllm_config.compilation_config.inductor_compile_config, "cpp_wrapper": True}
+    with set_current_vllm_config(config):
+        yield config
+
+
 # Part of every draft graph's cache key: raised whenever what a draft's first
 # compiled call traces changes, so that no graph traced by an earlier version
 # (before every draft's first call ran at the profiling size, a one-token graph
 # of the full-depth base) is ever loaded.
-GRAPH_CACHE_VERSION = 2
+GRAPH_CACHE_VERSION = 3
 
 
 def key_compile_cache(module: nn.Module, key: str) -> None:

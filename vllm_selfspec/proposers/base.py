@@ -59,6 +59,7 @@ from vllm_selfspec.config import SelfSpecConfig
 from vllm_selfspec.draft.model import (
     EagerPlanDraft,
     LayerSubsetDraft,
+    draft_compile_config,
     key_compile_cache,
 )
 from vllm_selfspec.draft.plan import LayerPlan
@@ -254,9 +255,9 @@ class SelfSpecProposer(DraftModelProposer):
         """The plan's draft module, compiled (in compiled engines) at its first
         forward and filed in vLLM's graph cache under `cache_key` (default:
         the plan's own key)."""
-        with set_model_tag("selfspec_draft"):
+        with set_model_tag("selfspec_draft"), draft_compile_config(self.vllm_config) as config:
             draft = LayerSubsetDraft(
-                vllm_config=self.vllm_config,
+                vllm_config=config,
                 target=self.target_model,
                 adapter=adapter_for(self.target_model),
                 weights=self.draft_weights,

@@ -28,7 +28,7 @@ from vllm_selfspec.draft.heads import (
     HeadsFileError,
     model_identity,
 )
-from vllm_selfspec.draft.model import key_compile_cache
+from vllm_selfspec.draft.model import draft_compile_config, key_compile_cache
 from vllm_selfspec.models import adapter_for
 from vllm_selfspec.proposers.base import SelfSpecProposer
 
@@ -187,9 +187,10 @@ class EarlyExitProposer(SelfSpecProposer):
             transforms.update(heads.transforms(self.options.exit_layers))
         segments, start = [], 0
         for end in ends:
-            with set_model_tag(f"selfspec_exit_{end}"):
+            with (set_model_tag(f"selfspec_exit_{end}"),
+                  draft_compile_config(self.vllm_config) as config):
                 segment = ExitSegment(
-                    vllm_config=self.vllm_config, target=self.target_model,
+                    vllm_config=config, target=self.target_model,
                     adapter=adapter, layers=self.draft_weights.layers, start=start, end=end,
                     transform=transforms[end])
             key_compile_cache(segment, f"exit_{start}_{end}")
