@@ -21,7 +21,6 @@ attention sinks and no quantised queries take it; GPU drafts keep vLLM's ops.
 
 from __future__ import annotations
 
-import copy
 from typing import NamedTuple
 
 import torch
@@ -121,8 +120,6 @@ class DraftAttention(nn.Module):
 
     def __init__(self, attention: nn.Module) -> None:
         super().__init__()
-        # Outside the module tree: the target owns it (and its KV cache).
-        self.__dict__["target"] = attention
         self.layer_name = attention.layer_name
         self.num_heads = attention.num_heads
         self.num_kv_heads = attention.num_kv_heads
@@ -143,9 +140,9 @@ class DraftAttention(nn.Module):
 
 
 def takes_draft_attention(attention: nn.Module) -> bool:
-    """Whether the one op can stand for vLLM's two on this layer: a decoder
-    layer of vLLM's CPU backend with its own KV cache, no attention sinks and
-    no quantised queries."""
+    """Whether the one op can stand for vLLM's two on this module: an
+    attention layer of vLLM's CPU backend, a decoder's with its own KV cache,
+    no attention sinks and no quantised queries."""
     from vllm.v1.attention.backend import AttentionType
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
@@ -154,23 +151,6 @@ def takes_draft_attention(attention: nn.Module) -> bool:
             and impl.attn_type == AttentionType.DECODER and impl.sinks is None
             and attention.kv_sharing_target_layer_name is None
             and getattr(attention, "query_quant", None) is None)
-
-
-def with_draft_attention(layer: nn.Module) -> nn.Module:
-    """`layer` (a decoder layer) with its self-attention's `Attention` called
-    through `DraftAttention`: a shallow clone of the layer and its attention
-    block, everything else shared; the layer itself where it cannot."""
-    block = getattr(layer, "self_attn", None)
-    attention = getattr(block, "attn", None)
-    if attention is None or not takes_draft_attention(attention):
-        return layer
-    block_clone = copy.copy(block)
-    block_clone._modules = dict(block._modules)
-    block_clone._modules["attn"] = DraftAttention(attention)
-    clone = copy.copy(layer)
-    clone._modules = dict(layer._modules)
-    clone._modules["self_attn"] = block_clone
-    return clone
 
 
 def one_op_attention() -> bool:

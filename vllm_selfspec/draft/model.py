@@ -22,7 +22,6 @@ import torch.nn as nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, set_current_vllm_config
 
-from vllm_selfspec.draft.attention import one_op_attention
 from vllm_selfspec.draft.plan import LayerPlan
 from vllm_selfspec.draft.weights import DraftWeights
 
@@ -110,15 +109,19 @@ def _run_plan(layers, norm, run_layer, plan: LayerPlan, hidden_states: torch.Ten
 
 
 @contextmanager
-def draft_compile_config(vllm_config: VllmConfig) -> Iterator[VllmConfig]:
-    """The config to build a compiled draft module under (as its
-    `vllm_config`, and current while it is built, when vLLM's compile wrapper
-    reads its inductor options). Where drafts attend through
-    `DraftAttention`, a copy whose inductor options add `cpp_wrapper`: the
-    draft graph's host code, a few calls per layer run for one token, is C++
-    instead of Python. The target's graph keeps vLLM's options; the copy's
-    cache key differs, so their compiled files never mix."""
-    if not one_op_attention():
+def draft_compile_config(vllm_config: VllmConfig, layers: nn.Module) -> Iterator[VllmConfig]:
+    """The config to build a compiled draft module over `layers` under (as
+    its `vllm_config`, and current while it is built, when vLLM's compile
+    wrapper reads its inductor options). Where every attention layer among
+    `layers` is called through `DraftAttention` (on the CPU), a copy whose
+    inductor options add `cpp_wrapper`: the draft graph's host code, a few
+    calls per layer run for one token, is C++ instead of Python. vLLM's own
+    attention ops take a layer-name object that C++ wrapper code cannot pass,
+    so a draft with any of them keeps vLLM's options, as the target's graph
+    does; the copy's cache key differs, so their compiled files never mix."""
+    from vllm.model_executor.layers.attention import Attention
+
+    if any(isinstance(module, Attention) for module in layers.modules()):
         yield vllm_config
         return
     config = copy.copy(vllm_config)

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 from vllm.logger import init_logger
 
-from vllm_selfspec.draft.attention import one_op_attention, with_draft_attention
+from vllm_selfspec.draft.attention import DraftAttention, one_op_attention, takes_draft_attention
 from vllm_selfspec.draft.kernels import LOW_PRECISION_LINEARS, int8_runs_fbgemm
 
 # Under "vllm." so it shows with vLLM's own start-up log lines.
@@ -92,22 +92,29 @@ def low_precision_clone(linear: nn.Module) -> nn.Module:
     return clone
 
 
-def replace_linears(module: nn.Module, replace: Callable[[nn.Module], nn.Module]
-                    ) -> nn.Module:
-    """`module`, with every vLLM linear layer below it replaced: ancestors of a
-    replaced layer are shallow clones, everything else is shared."""
-    from vllm.model_executor.layers.linear import LinearBase
-
-    if isinstance(module, LinearBase):
+def replace_modules(module: nn.Module, matches: Callable[[nn.Module], bool],
+                    replace: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    """`module`, with every module below it that `matches` replaced: ancestors
+    of a replaced module are shallow clones, everything else is shared."""
+    if matches(module):
         return replace(module)
     children = dict(module.named_children())
-    new_children = {name: replace_linears(child, replace) for name, child in children.items()}
+    new_children = {name: replace_modules(child, matches, replace)
+                    for name, child in children.items()}
     if all(new_children[name] is child for name, child in children.items()):
         return module
     clone = copy.copy(module)
     clone._modules = dict(module._modules)
     clone._modules.update(new_children)
     return clone
+
+
+def replace_linears(module: nn.Module, replace: Callable[[nn.Module], nn.Module]
+                    ) -> nn.Module:
+    """`module`, with every vLLM linear layer below it replaced."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    return replace_modules(module, lambda m: isinstance(m, LinearBase), replace)
 
 
 # --- the draft head ---------------------------------------------------------
@@ -260,8 +267,8 @@ class DraftWeights:
                 module.__dict__.pop(STASH, None)
         if one_op_attention():
             layers = nn.ModuleList(
-                [with_draft_attention(layer) if index < num_layers_used else layer
-                 for index, layer in enumerate(layers)])
+                [replace_modules(layer, takes_draft_attention, DraftAttention)
+                 if index < num_layers_used else layer for index, layer in enumerate(layers)])
         compute_logits = target.compute_logits
         if low or vocab_token_ids is not None:
             # int4 keeps the head at int8: a subset's row count fits no int4

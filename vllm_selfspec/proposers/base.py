@@ -255,7 +255,8 @@ class SelfSpecProposer(DraftModelProposer):
         """The plan's draft module, compiled (in compiled engines) at its first
         forward and filed in vLLM's graph cache under `cache_key` (default:
         the plan's own key)."""
-        with set_model_tag("selfspec_draft"), draft_compile_config(self.vllm_config) as config:
+        with (set_model_tag("selfspec_draft"),
+              draft_compile_config(self.vllm_config, self.draft_weights.layers) as config):
             draft = LayerSubsetDraft(
                 vllm_config=config,
                 target=self.target_model,

@@ -188,7 +188,8 @@ class EarlyExitProposer(SelfSpecProposer):
         segments, start = [], 0
         for end in ends:
             with (set_model_tag(f"selfspec_exit_{end}"),
-                  draft_compile_config(self.vllm_config) as config):
+                  draft_compile_config(self.vllm_config,
+                                       self.draft_weights.layers[start:end]) as config):
                 segment = ExitSegment(
                     vllm_config=config, target=self.target_model,
                     adapter=adapter, layers=self.draft_weights.layers, start=start, end=end,
