@@ -1,20 +1,26 @@
 """Speculation under serving load, measured the ecosystem's way.
 
-For each engine start, every setting gets its own real `vllm serve` in turn,
-with a plain vLLM server before the first start and after each one
-(plain, A, B, plain, A, B, plain, ...: every start bracketed by plain servers
-on the same drifting machine), and vLLM's own harness, `vllm bench serve
---max-concurrency C`, runs the workload at every concurrency and temperature
-against it. Each run asks its own requests, none asked before on that server
-(a cross-request cache of past answers would otherwise draft them exactly),
-the same ones on every server: mixed questions after a wave of C warm-up
-requests, or the follow-ups of multi-turn and edit sessions after the
-server answered what they follow. Per (setting, concurrency, temperature) it
-keeps output tokens/s, median and p99 TPOT and TTFT, vLLM's acceptance
-counters and the share of request-rounds that drafted
-(`vllm:selfspec_rounds_total`, ours only), over the measured requests;
-ratios are over the geometric mean of the two plain servers around its
-start, and each figure over starts is their geometric mean with the spread.
+Every setting gets its own real `vllm serve`, and vLLM's own harness,
+`vllm bench serve --max-concurrency C`, runs the workload at every
+concurrency and temperature against it. By default (paired) a plain vLLM
+server is up beside it from the same moment, idle while the other runs, and
+each shape runs plain, setting, setting, plain, on two sets of requests
+(ABBA): the machine's drift, which moves a server's speed by tens of per
+cent over minutes, is shared by the runs compared, within a minute or two,
+and a fresh server's first minutes are compared with a fresh plain server's.
+`--bracketed` runs one server at a time instead, plain's before the first
+start and after each one (plain, A, B, plain, A, B, plain, ...). Each run
+asks its own requests, none asked before on that server (a cross-request
+cache of past answers would otherwise draft them exactly), the same ones on
+every server: mixed questions after a wave of C warm-up requests, or the
+follow-ups of multi-turn and edit sessions after the server answered what
+they follow. Per (setting, concurrency, temperature) it keeps output
+tokens/s, median and p99 TPOT and TTFT, vLLM's acceptance counters and the
+share of request-rounds that drafted (`vllm:selfspec_rounds_total`, ours
+only), over the measured requests; a start's ratio is over its paired plain
+server's same runs (bracketed: the geometric mean of the two plain servers
+around its start), and each figure over starts is their geometric mean with
+the spread.
 
     python scripts/serve_sweep.py                                   # SmolLM2, the default grid
     python scripts/serve_sweep.py --settings plain,ngram,recommended --concurrency 1,4,16 \
@@ -29,10 +35,12 @@ runs/<name>.png (throughput and TPOT against concurrency).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,15 +80,15 @@ class Run:
     warmups: list[str]  # mixed only: asked first, not measured
 
 
-def plan_runs(args) -> tuple[list[Run], bool]:
-    """Every server's runs, greedy first, each with items no other run on the
-    server asks (an answer to the same request in a cross-request cache, such
-    as suffix decoding's tree of past responses, would be an exact draft), and
-    mixed's warm-up waves from GSM-style problems, asked nowhere else. The
-    second value says whether the workload ran out of items and runs share
-    some."""
+def plan_runs(args, copies: int = 1) -> tuple[list[Run], bool]:
+    """Every server's runs, greedy first, each shape `copies` times in a row,
+    each run with items no other run on the server asks (an answer to the
+    same request in a cross-request cache, such as suffix decoding's tree of
+    past responses, would be an exact draft), and mixed's warm-up waves from
+    GSM-style problems, asked nowhere else. The second value says whether the
+    workload ran out of items and runs share some."""
     shape = [(t, c, max(args.min_prompts, c * args.prompts_per_client))
-             for t in args.temperatures for c in args.concurrency]
+             for t in args.temperatures for c in args.concurrency for _ in range(copies)]
     total = sum(size for *_, size in shape)
     pool = WORKLOADS[args.workload](total)
     runs, taken = [], 0
@@ -158,39 +166,85 @@ def measured_prompts(server: Server, model_dir: Path, tokenizer, run: Run, stem:
             for c in conversations], False
 
 
-def measure(name: str, spec: dict | None, model_dir: Path, tokenizer, runs: list[Run],
-            args, start: int, progress: tqdm) -> list[dict]:
-    """One server of `name`: every run against it."""
-    logs = RESULTS / "logs"
+@contextlib.contextmanager
+def serve(name: str, spec: dict | None, model_dir: Path, args, log_name: str) -> Iterator[Server]:
     server_args = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
                    "--seed", "0", "--max-num-seqs", str(max(args.concurrency))]
-    rows = []
-    with vllm_serve(model_dir, spec, logs / f"{args.name}-{name}-{start}.log", server_args,
-                    env={"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}) as server:
-        for run in runs:
-            stem = logs / f"{args.name}-{name}-{start}-c{run.concurrency}-t{run.temperature}"
-            prompts, chat = measured_prompts(server, model_dir, tokenizer, run, stem, args)
-            before = spec_counters(server)
-            out = bench(server, model_dir, prompts, stem.with_name(stem.name + ".json"), args, run,
-                        chat=chat)
-            after = spec_counters(server)
-            counts = {key: after[key] - before[key] for key in after}
-            rounds = sum(counts[f"rounds_{s}"] for s in ("self", "lookup", "none"))
-            rows.append({
-                "setting": name, "start": start, "workload": args.workload,
-                "concurrency": run.concurrency, "temperature": run.temperature,
-                "output_throughput": out["output_throughput"],
-                "median_tpot_ms": out["median_tpot_ms"], "p99_tpot_ms": out["p99_tpot_ms"],
-                "median_ttft_ms": out["median_ttft_ms"], "p99_ttft_ms": out["p99_ttft_ms"],
-                "acceptance": (counts["accepted_tokens"] / counts["draft_tokens"]
-                               if counts["draft_tokens"] else None),
-                "mean_accepted_length": (1 + counts["accepted_tokens"] / counts["drafts"]
-                                         if counts["drafts"] else None),
-                "drafted_share": ((counts["rounds_self"] + counts["rounds_lookup"]) / rounds
-                                  if rounds else None),
-                "counts": counts, "finished_at": time.time(),
-            })
-            progress.update()
+    with vllm_serve(model_dir, spec, RESULTS / "logs" / f"{args.name}-{log_name}.log",
+                    server_args, env={"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}) as server:
+        yield server
+
+
+def measure(server: Server, name: str, model_dir: Path, tokenizer, run: Run, args,
+            stem: str, **labels) -> dict:
+    """One run against `name`'s server: its row, with `labels` (start, pair)."""
+    stem = RESULTS / "logs" / f"{args.name}-{stem}-c{run.concurrency}-t{run.temperature}"
+    prompts, chat = measured_prompts(server, model_dir, tokenizer, run, stem, args)
+    before = spec_counters(server)
+    out = bench(server, model_dir, prompts, stem.with_name(stem.name + ".json"), args, run,
+                chat=chat)
+    after = spec_counters(server)
+    counts = {key: after[key] - before[key] for key in after}
+    rounds = sum(counts[f"rounds_{s}"] for s in ("self", "lookup", "none"))
+    return {
+        "setting": name, **labels, "workload": args.workload,
+        "concurrency": run.concurrency, "temperature": run.temperature,
+        "output_throughput": out["output_throughput"],
+        "median_tpot_ms": out["median_tpot_ms"], "p99_tpot_ms": out["p99_tpot_ms"],
+        "median_ttft_ms": out["median_ttft_ms"], "p99_ttft_ms": out["p99_ttft_ms"],
+        "acceptance": (counts["accepted_tokens"] / counts["draft_tokens"]
+                       if counts["draft_tokens"] else None),
+        "mean_accepted_length": (1 + counts["accepted_tokens"] / counts["drafts"]
+                                 if counts["drafts"] else None),
+        "drafted_share": ((counts["rounds_self"] + counts["rounds_lookup"]) / rounds
+                          if rounds else None),
+        "counts": counts, "finished_at": time.time(),
+    }
+
+
+def bracketed(args, known: dict, model_dir: Path, tokenizer, runs: list[Run],
+              progress: tqdm, save) -> list[dict]:
+    """One server at a time: plain, A, B, plain, A, B, plain, ...; plain's
+    server s is the one just before start s's others."""
+    others = [s for s in args.settings if s != "plain"]
+    order = [("plain", 0)]
+    for start in range(args.starts):
+        order += [(name, start) for name in others] + [("plain", start + 1)]
+    rows: list[dict] = []
+    for name, start in order:
+        progress.set_postfix_str(f"start {start + 1}: {name}")
+        with serve(name, known[name], model_dir, args, f"{name}-{start}") as server:
+            for index, run in enumerate(runs):
+                rows.append(measure(server, name, model_dir, tokenizer, run, args,
+                                    f"{name}-{start}-r{index}", start=start))
+                progress.update()
+        save(rows)
+    return rows
+
+
+def paired(args, known: dict, model_dir: Path, tokenizer, runs: list[Run],
+           progress: tqdm, save) -> list[dict]:
+    """Per start and setting, a fresh plain server and the setting's, up
+    together; each shape's two runs (a, b) go plain a, setting a, setting b,
+    plain b."""
+    rows: list[dict] = []
+    for start in range(args.starts):
+        for name in [s for s in args.settings if s != "plain"]:
+            progress.set_postfix_str(f"start {start + 1}: {name} beside plain")
+            pair = f"{name}/{start}"
+            with (serve("plain", None, model_dir, args, f"plain-beside-{name}-{start}") as plain,
+                  serve(name, known[name], model_dir, args, f"{name}-{start}") as ours):
+                for index in range(0, len(runs), 2):
+                    for server, setting, run_index in ((plain, "plain", index),
+                                                       (ours, name, index),
+                                                       (ours, name, index + 1),
+                                                       (plain, "plain", index + 1)):
+                        stem = f"{'plain-beside-' if setting == 'plain' else ''}{name}-{start}"
+                        rows.append(measure(server, setting, model_dir, tokenizer,
+                                            runs[run_index], args, f"{stem}-r{run_index}",
+                                            start=start, pair=pair))
+                        progress.update()
+            save(rows)
     return rows
 
 
@@ -221,6 +275,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=int, default=4)
     parser.add_argument("--dtype", default=fast_dtype())
+    parser.add_argument("--bracketed", action="store_true",
+                        help="one server at a time, plain's around each start, instead of a "
+                             "plain server up beside each setting's with ABBA runs")
     parser.add_argument("--name", default="serve-sweep")
     args = parser.parse_args()
     known = settings_for(args.model)
@@ -229,31 +286,28 @@ def main() -> None:
         raise SystemExit(f"--settings: unknown {unknown}; known: {sorted(known)}")
     if "plain" not in args.settings:
         args.settings.insert(0, "plain")
+    others = [s for s in args.settings if s != "plain"]
+    if not others and not args.bracketed:
+        raise SystemExit("--settings: name a setting besides plain, or pass --bracketed to "
+                         "measure plain's servers alone")
     model_dir = ROOT / "models" / args.model
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    runs, reused = plan_runs(args)
+    runs, reused = plan_runs(args, copies=1 if args.bracketed else 2)
     if reused:
         print(f"--workload {args.workload} has fewer items than the runs ask for; runs on a "
               f"server share some, which a cache of past responses has seen")
-    others = [s for s in args.settings if s != "plain"]
-    rows: list[dict] = []
-    per_server = len(runs)
-    # (setting, start); plain's server s is the one just before start s's others.
-    if others:
-        order = [("plain", 0)]
-        for start in range(args.starts):
-            order += [(name, start) for name in others] + [("plain", start + 1)]
-    else:
-        order = [("plain", start) for start in range(args.starts)]
-    with tqdm(total=len(order) * per_server, desc="bench runs") as progress:
-        for name, start in order:
-            progress.set_postfix_str(f"start {start + 1}: {name}")
-            rows += measure(name, known[name], model_dir, tokenizer, runs, args, start,
-                            progress)
-            (RESULTS / f"{args.name}.json").write_text(json.dumps(
-                {**provenance(), "argv": sys.argv, "dtype": args.dtype,
-                 "workload": args.workload, "items_shared_between_runs": reused,
-                 "rows": rows}, indent=1))
+
+    def save(rows: list[dict]) -> None:
+        (RESULTS / f"{args.name}.json").write_text(json.dumps(
+            {**provenance(), "argv": sys.argv, "dtype": args.dtype,
+             "workload": args.workload, "items_shared_between_runs": reused,
+             "order": "bracketed" if args.bracketed else "paired", "rows": rows}, indent=1))
+
+    servers = ((1 + args.starts * (len(others) + 1)) if args.bracketed
+               else 2 * args.starts * len(others))
+    with tqdm(total=servers * len(runs), desc="bench runs") as progress:
+        order = bracketed if args.bracketed else paired
+        rows = order(args, known, model_dir, tokenizer, runs, progress, save)
     report = serving_table(rows, args)
     (RESULTS / f"{args.name}.md").write_text(report)
     plot_serving(rows, args, RESULTS / f"{args.name}.png")

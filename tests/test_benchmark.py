@@ -18,7 +18,7 @@ from bench.machine import (
     unbalanced_first_start,
 )
 from bench.presets import method_configs
-from bench.report import machine_warnings, print_table, summarize
+from bench.report import machine_warnings, print_table, serving_ratios, summarize
 from bench.runner import CONSOLE, Run, keep_nearer
 from bench.workload import benchmark_requests, prompt_set_names
 from serve_sweep import plan_runs
@@ -265,6 +265,35 @@ def test_no_serving_run_asks_what_an_earlier_run_on_its_server_asked(workload):
                    for run in runs)
     args.concurrency = [1, 2, 4, 8, 16, 32]  # 512 requests: more than the sets hold
     assert plan_runs(args)[1]
+    args.concurrency, args.prompts_per_client = [1, 4], 2
+    paired, shared = plan_runs(args, copies=2)
+    assert not shared  # ABBA: each shape twice, on items of its own each time
+    assert [(run.temperature, run.concurrency) for run in paired] == [
+        (0.0, 1), (0.0, 1), (0.0, 4), (0.0, 4), (0.8, 1), (0.8, 1), (0.8, 4), (0.8, 4)]
+    items = [repr(item) for run in paired for item in run.items]
+    assert len(set(items)) == len(items)
+
+
+def test_a_paired_start_is_measured_against_the_plain_server_beside_it():
+    """Paired rows divide by their own plain server's runs of the same shape
+    (geometric means over the ABBA runs), never by another pair's; bracketed
+    rows by the plain servers just before and after their start."""
+    def row(setting, tokens_per_s, start, pair=None, concurrency=4):
+        return {"setting": setting, "output_throughput": tokens_per_s, "start": start,
+                "concurrency": concurrency, "temperature": 0.8,
+                **({"pair": pair} if pair else {})}
+
+    rows = [row("plain", 100, 0, "a/0"), row("a", 90, 0, "a/0"), row("a", 160, 0, "a/0"),
+            row("plain", 160, 0, "a/0"),
+            row("plain", 50, 0, "b/0"), row("b", 50, 0, "b/0"), row("b", 50, 0, "b/0"),
+            row("plain", 50, 0, "b/0"), row("a", 999, 0, "a/0", concurrency=16)]
+    ratios = serving_ratios(rows)
+    assert ratios[("a", 4, 0.8)] == [pytest.approx(1.2 / 1.264911, rel=1e-5)]
+    assert ratios[("b", 4, 0.8)] == [pytest.approx(1.0)]
+    assert ("a", 16, 0.8) not in ratios  # no plain run of that shape: no ratio
+    bracketed = [row("plain", 100, 0), row("c", 150, 0), row("plain", 400, 1),
+                 row("c", 100, 1), row("plain", 25, 2)]
+    assert serving_ratios(bracketed)[("c", 4, 0.8)] == [pytest.approx(0.75), pytest.approx(1.0)]
 
 
 def test_each_prompt_set_is_compared_on_its_own_requests():

@@ -284,20 +284,28 @@ def _fmt(value) -> str:
 
 
 def serving_ratios(rows: list[dict]) -> dict[tuple[str, int, float], list[float]]:
-    """Each setting's throughput over the geometric mean of the plain servers
-    run just before and just after its start (plain's `start` s and s + 1),
-    per start."""
-    found: dict[tuple[str, int, float], list[float]] = {}
+    """Each setting's throughput over plain's, one ratio per start: paired
+    rows (with a `pair`) over the runs of the plain server beside it, as
+    geometric means of their runs; bracketed rows over the geometric mean of
+    the plain servers run just before and just after the start (plain's
+    `start` s and s + 1)."""
+    def speed(group: list[dict]) -> float:
+        return statistics.geometric_mean([r["output_throughput"] for r in group])
+
+    groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        if row["setting"] == "plain":
-            continue
+        if row["setting"] != "plain":
+            groups.setdefault((row["setting"], row["concurrency"], row["temperature"],
+                               row.get("pair"), row["start"]), []).append(row)
+    found: dict[tuple[str, int, float], list[float]] = {}
+    for (setting, concurrency, temperature, pair, start), group in groups.items():
         plain = [r for r in rows if r["setting"] == "plain"
-                 and r["start"] in (row["start"], row["start"] + 1)
-                 and r["concurrency"] == row["concurrency"]
-                 and r["temperature"] == row["temperature"]]
-        key = (row["setting"], row["concurrency"], row["temperature"])
-        found.setdefault(key, []).append(
-            row["output_throughput"] / statistics.geometric_mean([r["output_throughput"] for r in plain]))
+                 and r["concurrency"] == concurrency and r["temperature"] == temperature
+                 and (r.get("pair") == pair if pair is not None
+                      else r.get("pair") is None and r["start"] in (start, start + 1))]
+        if plain:
+            found.setdefault((setting, concurrency, temperature), []).append(
+                speed(group) / speed(plain))
     return found
 
 
@@ -307,7 +315,9 @@ def serving_table(rows: list[dict], args) -> str:
     share of rounds drafted), and plain's own tokens/s."""
     found = serving_ratios(rows)
     lines = [f"`{' '.join(sys.argv)}` · CPU flags: {' '.join(cpu_flags()) or 'none'} · "
-             f"{args.dtype} · {args.starts} start(s)", "",
+             f"{args.dtype} · {args.starts} start(s), "
+             + ("plain's servers around each" if getattr(args, "bracketed", False)
+                else "each beside its own plain server, runs ABBA"), "",
              "| setting | temperature | " + " | ".join(f"C={c}" for c in args.concurrency) + " |",
              "|---|---|" + "---|" * len(args.concurrency)]
     for setting in [s for s in args.settings if s != "plain"]:
