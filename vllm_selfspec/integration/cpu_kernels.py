@@ -1,5 +1,6 @@
 """vLLM-CPU's Triton-kernel fallbacks: a correct `expand_kernel` (rejection
-sampler), and their registration once per process.
+sampler), the rejection sampler's recovered-token noise drawn fast, and their
+registration once per process.
 
 vLLM-CPU 0.32.0's fallback converts `output` and `input` to int64 before its
 C++ op, so float inputs (the per-request temperatures and top-p values that
@@ -9,7 +10,13 @@ on the CPU build then rejects almost every draft at temperature > 0 and
 samples the replacement from garbage probabilities (vLLM's own `ngram` and
 `draft_model` included). The GPU build runs the Triton kernel and is
 unaffected; this replacement is only ever called on the CPU fallback path.
-"""
+
+A sampled round's recovered tokens need Exp(1) noise over the vocabulary per
+request; vLLM draws it with torch's `exponential_`, a serial per-element loop
+on the CPU (about 3 ms for 4 rows of a 49k vocabulary), for every row of the
+batch, drafting or not. On the CPU the same noise comes from uniform draws
+(E = -log(1 - U), as torch's own loop computes it), for drafting rows only.
+Like the expand fix, this serves every speculative method, vLLM's too."""
 
 from __future__ import annotations
 
@@ -38,6 +45,52 @@ def expand_kernel_impl(
                          torch.full_like(input_val, replace_to), input_val)
     expanded = values.repeat_interleave(counts)
     output[: expanded.shape[0]] = expanded.to(output.dtype)
+
+
+def exponential_reciprocals(uniform: torch.Tensor) -> torch.Tensor:
+    """1 / E for E = -log(1 - U) ~ Exp(1), from uniforms U in [0, 1), in place;
+    E is floored at the least positive float (U = 0), so 1 / E stays finite
+    and a token the target gives no probability never wins a race by 0 * inf."""
+    return (uniform.neg_().log1p_().neg_()
+            .clamp_min_(torch.finfo(uniform.dtype).tiny).reciprocal_())
+
+
+def sample_recovered_tokens(
+    max_spec_len: int,
+    num_draft_tokens: list[int],
+    cu_num_draft_tokens: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    sampling_metadata: Any,
+    device: torch.device,
+    use_fp64_gumbel: bool = False,
+) -> torch.Tensor:
+    """vLLM's, with its per-request noise drawn from uniforms and only for
+    the requests that drafted (a seeded one's from its generator); off the
+    CPU, or with float64 noise asked for, vLLM's own."""
+    if use_fp64_gumbel or target_probs.device.type != "cpu":
+        return original("vllm.v1.sample.rejection_sampler", "", "sample_recovered_tokens")(
+            max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids,
+            draft_probs, target_probs, sampling_metadata, device, use_fp64_gumbel)
+    from vllm.v1.sample.rejection_sampler import _sample_recovered_tokens
+
+    vocab_size = target_probs.shape[-1]
+    generators = sampling_metadata.generators
+    # Rows of requests without drafts are never read.
+    inv_q = torch.zeros((len(num_draft_tokens), vocab_size), dtype=torch.float32)
+    drafting = [row for row, count in enumerate(num_draft_tokens) if count > 0]
+    unseeded = [row for row in drafting if row not in generators]
+    if unseeded:
+        inv_q[unseeded] = exponential_reciprocals(torch.rand(len(unseeded), vocab_size))
+    for row in drafting:
+        if row in generators:
+            inv_q[row] = exponential_reciprocals(
+                torch.rand(vocab_size, generator=generators[row]))
+    recovered_token_ids = torch.empty_like(draft_token_ids)
+    _sample_recovered_tokens(recovered_token_ids, cu_num_draft_tokens, draft_token_ids,
+                             draft_probs, target_probs, inv_q, max_spec_len=max_spec_len)
+    return recovered_token_ids
 
 
 def register_kernel_overrides_once(cls: Any) -> None:

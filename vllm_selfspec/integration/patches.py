@@ -1,11 +1,13 @@
 """Every vLLM symbol the plugin replaces, with the original kept.
 
-Twenty attributes, each small and named here, are the whole contact surface
-(seven run the methods, five keep a round that drafts nothing as cheap as a
+Twenty-two attributes, each small and named here, are the whole contact surface
+(six run the methods, five keep a round that drafts nothing as cheap as a
 plain step, one gives a step's Python frames room (`integration/frame_stack.py`),
-one lets vLLM-CPU load its compile cache (`integration/compile_cache.py`), six
-count where tokens came from, with two fields added to vLLM dataclasses:
-`integration/token_sources.py`); three more run vLLM's Ray executor on the CPU platform,
+three mend vLLM-CPU's fallbacks of the rejection sampler's kernels
+(`integration/cpu_kernels.py`), one lets vLLM-CPU load its compile cache
+(`integration/compile_cache.py`), six count where tokens came from, with two
+fields added to vLLM dataclasses: `integration/token_sources.py`); three more
+run vLLM's Ray executor on the CPU platform,
 only when `SELFSPEC_RAY_CPU=1` asks for it (`integration/ray_cpu.py`).
 
 The plugin loads in every vLLM process, plain ones too. Before patching,
@@ -142,6 +144,13 @@ PATCHES = (
         "platform registers this function after plugins load",
     ),
     Patch(
+        "vllm.v1.sample.rejection_sampler", "", "sample_recovered_tokens",
+        "vllm_selfspec.integration.cpu_kernels:sample_recovered_tokens",
+        "CPU build: a sampled round's recovered-token noise came from torch's serial "
+        "exponential_ loop for every row of the batch (~3 ms at 4 rows); the same "
+        "Exp(1) noise from uniform draws, for the rows that drafted (every method)",
+    ),
+    Patch(
         "vllm.platforms.cpu", "CpuPlatform", "register_triton_kernel_overrides",
         "vllm_selfspec.integration.cpu_kernels:register_kernel_overrides_once",
         "CPU build: once per process is enough, and vLLM's scan for the kernels' "
@@ -251,6 +260,8 @@ USED_INTERNALS = (
      "to vLLM's CPU kernels as vLLM's CPU backend does"),
     ("vllm.model_executor.layers.attention.attention", "", "layer._v_scale_float",
      "the same, for values"),
+    ("vllm.v1.sample.rejection_sampler", "", "_sample_recovered_tokens",
+     "the recovered-token kernel (vLLM-CPU's C++ fallback) the faster noise feeds"),
     ("vllm.v1.attention.backends.cpu_attn", "", "layer.isa",
      "the CPU kernels' instruction set, which vLLM's CPU metadata builder sets on each layer"),
 )
