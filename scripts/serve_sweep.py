@@ -2,8 +2,8 @@
 
 Every setting gets its own real `vllm serve`, and vLLM's own harness,
 `vllm bench serve --max-concurrency C`, runs the workload at every
-concurrency and temperature against it. By default (paired) a plain vLLM
-server is up beside it from the same moment, idle while the other runs, and
+concurrency and temperature against it. By default (paired) a fresh plain
+vLLM server, started just before it, is up beside it, idle while it runs, and
 each shape runs plain, setting, setting, plain, on two sets of requests
 (ABBA): the machine's drift, which moves a server's speed by tens of per
 cent over minutes, is shared by the runs compared, within a minute or two,
@@ -284,6 +284,7 @@ def main() -> None:
     unknown = [s for s in args.settings if s not in known]
     if unknown:
         raise SystemExit(f"--settings: unknown {unknown}; known: {sorted(known)}")
+    args.settings = list(dict.fromkeys(args.settings))  # a setting named twice runs once
     if "plain" not in args.settings:
         args.settings.insert(0, "plain")
     others = [s for s in args.settings if s != "plain"]

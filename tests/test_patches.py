@@ -208,38 +208,61 @@ def test_cpu_expand_kernel_keeps_float_values():
 
 def test_recovered_tokens_follow_the_residual_and_spare_rows_without_drafts():
     """On the CPU a sampled round's recovered token is drawn from
-    max(p - q, 0), normalised, as vLLM's own noise draws it (noise from
-    uniform draws); a request without drafts draws no noise (its generator is
-    untouched) and a seeded request's draw repeats with its generator's seed."""
+    max(p - q, 0), normalised, with the plugin's noise in place of vLLM's; a
+    request without drafts draws no noise (its generator is untouched) and a
+    seeded request's draw repeats with its generator's seed."""
     from types import SimpleNamespace
 
     import torch
     from vllm.platforms import current_platform
     from vllm.v1.sample import rejection_sampler
 
+    from vllm_selfspec.integration import cpu_kernels
+
     patches.apply_patches()
     current_platform.register_triton_kernel_overrides()
-    rows = 20000
-    target = torch.tensor([0.1, 0.5, 0.3, 0.1, 0.0]).repeat(rows + 2, 1)
-    draft = torch.tensor([0.4, 0.1, 0.1, 0.4, 0.0]).repeat(rows + 2, 1)
+    assert rejection_sampler.sample_recovered_tokens is cpu_kernels.sample_recovered_tokens
+    rows, vocab = 20000, 1000
+    target = torch.zeros(vocab)
+    target[:5] = torch.tensor([0.1, 0.5, 0.3, 0.1, 0.0])
+    draft = torch.zeros(vocab)
+    draft[:5] = torch.tensor([0.4, 0.1, 0.1, 0.4, 0.0])
+    flat = torch.full((vocab,), 1 / vocab)  # the seeded request's residual: every token
+    targets = torch.cat([target.repeat(rows, 1), flat.view(1, -1)])
+    drafts = torch.cat([draft.repeat(rows, 1), torch.zeros(1, vocab)])
     counts = [1] * rows + [0, 1]  # request `rows` drafts nothing; the last one is seeded
 
-    def recover(generators: dict) -> torch.Tensor:
-        metadata = SimpleNamespace(generators=generators)
+    def recover(seed: int) -> torch.Tensor:
+        metadata = SimpleNamespace(generators={rows: idle,
+                                               rows + 1: torch.Generator().manual_seed(seed)})
         return rejection_sampler.sample_recovered_tokens(
             1, counts, torch.tensor(counts).cumsum(0), torch.zeros(rows + 1, dtype=torch.long),
-            draft[: rows + 1].contiguous(), target[: rows + 1].contiguous(), metadata,
-            torch.device("cpu"))
+            drafts, targets, metadata, torch.device("cpu"))
 
-    idle, seeded = torch.Generator().manual_seed(1), torch.Generator().manual_seed(7)
+    idle = torch.Generator().manual_seed(1)
     idle_state = idle.get_state()
-    first = recover({rows: idle, rows + 1: seeded})
+    first = recover(7)
     assert torch.equal(idle.get_state(), idle_state)
-    share = torch.bincount(first[:rows], minlength=5) / rows
+    share = torch.bincount(first[:rows], minlength=vocab)[:5] / rows
     residual = torch.tensor([0.0, 0.4, 0.2, 0.0, 0.0]) / 0.6
     assert torch.allclose(share, residual, atol=0.015), share
-    again = recover({rows: idle, rows + 1: torch.Generator().manual_seed(7)})
-    assert again[-1] == first[-1]
+    assert recover(7)[-1] == first[-1]
+    assert len({int(recover(seed)[-1]) for seed in range(20)}) > 10
+
+
+def test_recovered_tokens_noise_comes_from_53_bit_uniforms(monkeypatch):
+    """1 / E from float64 uniforms (U = 0 one draw in 2^53, not float32's
+    one in 2^24, where E = 0 would win every race), finite where U = 0."""
+    import torch
+
+    from vllm_selfspec.integration.cpu_kernels import exponential_reciprocals
+
+    noise = exponential_reciprocals((3, 64), torch.Generator().manual_seed(5))
+    uniform = torch.rand((3, 64), dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    assert noise.dtype == torch.float32
+    assert torch.equal(noise, (1 / -torch.log1p(-uniform)).float())
+    monkeypatch.setattr(torch, "rand", lambda shape, dtype, generator: torch.zeros(shape, dtype=dtype))
+    assert torch.isfinite(exponential_reciprocals((2,))).all()  # U = 0
 
 
 def test_kernel_overrides_are_registered_once_per_process(monkeypatch):

@@ -14,9 +14,11 @@ unaffected; this replacement is only ever called on the CPU fallback path.
 A sampled round's recovered tokens need Exp(1) noise over the vocabulary per
 request; vLLM draws it with torch's `exponential_`, a serial per-element loop
 on the CPU (about 3 ms for 4 rows of a 49k vocabulary), for every row of the
-batch, drafting or not. On the CPU the same noise comes from uniform draws
-(E = -log(1 - U), as torch's own loop computes it), for drafting rows only.
-Like the expand fix, this serves every speculative method, vLLM's too."""
+batch, drafting or not. On the CPU the same Exp(1) noise comes from vectorised
+float64 uniform draws (E = -log(1 - U)), for drafting rows only. Like the
+expand fix, this serves every speculative method, vLLM's too; a seeded
+request's generator is consumed otherwise than by vLLM's draws, so its output
+stays reproducible but differs from plain vLLM-CPU's for the same seed."""
 
 from __future__ import annotations
 
@@ -47,12 +49,18 @@ def expand_kernel_impl(
     output[: expanded.shape[0]] = expanded.to(output.dtype)
 
 
-def exponential_reciprocals(uniform: torch.Tensor) -> torch.Tensor:
-    """1 / E for E = -log(1 - U) ~ Exp(1), from uniforms U in [0, 1), in place;
-    E is floored at the least positive float (U = 0), so 1 / E stays finite
-    and a token the target gives no probability never wins a race by 0 * inf."""
+def exponential_reciprocals(shape: tuple[int, ...],
+                            generator: torch.Generator | None = None) -> torch.Tensor:
+    """1 / E for E = -log(1 - U) ~ Exp(1) per element, as float32, from
+    float64 uniforms U in [0, 1): 53 random bits, as torch's exponential_
+    draws, where float32's 24 would make U = 0 (E = 0, a token that wins
+    every race it has any chance in) one draw in 2^24, about one row in 340
+    of a 49k vocabulary. E is floored at float32's least normal value, so 1 / E
+    stays finite in float32 and a token without probability never wins by
+    0 * inf."""
+    uniform = torch.rand(shape, dtype=torch.float64, generator=generator)
     return (uniform.neg_().log1p_().neg_()
-            .clamp_min_(torch.finfo(uniform.dtype).tiny).reciprocal_())
+            .clamp_min_(torch.finfo(torch.float32).tiny).reciprocal_().float())
 
 
 def sample_recovered_tokens(
@@ -78,15 +86,14 @@ def sample_recovered_tokens(
     vocab_size = target_probs.shape[-1]
     generators = sampling_metadata.generators
     # Rows of requests without drafts are never read.
-    inv_q = torch.zeros((len(num_draft_tokens), vocab_size), dtype=torch.float32)
+    inv_q = torch.empty((len(num_draft_tokens), vocab_size), dtype=torch.float32)
     drafting = [row for row, count in enumerate(num_draft_tokens) if count > 0]
     unseeded = [row for row in drafting if row not in generators]
     if unseeded:
-        inv_q[unseeded] = exponential_reciprocals(torch.rand(len(unseeded), vocab_size))
+        inv_q[unseeded] = exponential_reciprocals((len(unseeded), vocab_size))
     for row in drafting:
         if row in generators:
-            inv_q[row] = exponential_reciprocals(
-                torch.rand(vocab_size, generator=generators[row]))
+            inv_q[row] = exponential_reciprocals((vocab_size,), generators[row])
     recovered_token_ids = torch.empty_like(draft_token_ids)
     _sample_recovered_tokens(recovered_token_ids, cu_num_draft_tokens, draft_token_ids,
                              draft_probs, target_probs, inv_q, max_spec_len=max_spec_len)

@@ -3,8 +3,8 @@
 Twenty-two attributes, each small and named here, are the whole contact surface
 (six run the methods, five keep a round that drafts nothing as cheap as a
 plain step, one gives a step's Python frames room (`integration/frame_stack.py`),
-three mend vLLM-CPU's fallbacks of the rejection sampler's kernels
-(`integration/cpu_kernels.py`), one lets vLLM-CPU load its compile cache
+three concern vLLM-CPU's rejection-sampler path (a kernel fallback, the
+kernels' registration and the recovered tokens' noise: `integration/cpu_kernels.py`), one lets vLLM-CPU load its compile cache
 (`integration/compile_cache.py`), six count where tokens came from, with two
 fields added to vLLM dataclasses: `integration/token_sources.py`); three more
 run vLLM's Ray executor on the CPU platform,
@@ -147,8 +147,8 @@ PATCHES = (
         "vllm.v1.sample.rejection_sampler", "", "sample_recovered_tokens",
         "vllm_selfspec.integration.cpu_kernels:sample_recovered_tokens",
         "CPU build: a sampled round's recovered-token noise came from torch's serial "
-        "exponential_ loop for every row of the batch (~3 ms at 4 rows); the same "
-        "Exp(1) noise from uniform draws, for the rows that drafted (every method)",
+        "exponential_ loop for every row of the batch (~3 ms at 4 rows); Exp(1) noise "
+        "from vectorised float64 uniform draws, for the rows that drafted (every method)",
     ),
     Patch(
         "vllm.platforms.cpu", "CpuPlatform", "register_triton_kernel_overrides",
