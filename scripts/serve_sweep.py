@@ -167,7 +167,7 @@ def measured_prompts(server: Server, model_dir: Path, tokenizer, run: Run, stem:
 
 
 @contextlib.contextmanager
-def serve(name: str, spec: dict | None, model_dir: Path, args, log_name: str) -> Iterator[Server]:
+def serve(spec: dict | None, model_dir: Path, args, log_name: str) -> Iterator[Server]:
     server_args = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
                    "--seed", "0", "--max-num-seqs", str(max(args.concurrency))]
     with vllm_serve(model_dir, spec, RESULTS / "logs" / f"{args.name}-{log_name}.log",
@@ -202,46 +202,47 @@ def measure(server: Server, name: str, model_dir: Path, tokenizer, run: Run, arg
     }
 
 
-def bracketed(args, known: dict, model_dir: Path, tokenizer, runs: list[Run],
-              progress: tqdm, save) -> list[dict]:
+def bracketed(args, others: list[str], known: dict, model_dir: Path, tokenizer,
+              runs: list[Run], progress: tqdm, save) -> list[dict]:
     """One server at a time: plain, A, B, plain, A, B, plain, ...; plain's
     server s is the one just before start s's others."""
-    others = [s for s in args.settings if s != "plain"]
     order = [("plain", 0)]
     for start in range(args.starts):
         order += [(name, start) for name in others] + [("plain", start + 1)]
     rows: list[dict] = []
     for name, start in order:
         progress.set_postfix_str(f"start {start + 1}: {name}")
-        with serve(name, known[name], model_dir, args, f"{name}-{start}") as server:
+        log = f"{name}-{start}"
+        with serve(known[name], model_dir, args, log) as server:
             for index, run in enumerate(runs):
                 rows.append(measure(server, name, model_dir, tokenizer, run, args,
-                                    f"{name}-{start}-r{index}", start=start))
+                                    f"{log}-r{index}", start=start))
                 progress.update()
         save(rows)
     return rows
 
 
-def paired(args, known: dict, model_dir: Path, tokenizer, runs: list[Run],
-           progress: tqdm, save) -> list[dict]:
+def paired(args, others: list[str], known: dict, model_dir: Path, tokenizer,
+           runs: list[Run], progress: tqdm, save) -> list[dict]:
     """Per start and setting, a fresh plain server and the setting's, up
     together; each shape's two runs (a, b) go plain a, setting a, setting b,
     plain b."""
     rows: list[dict] = []
     for start in range(args.starts):
-        for name in [s for s in args.settings if s != "plain"]:
+        for name in others:
             progress.set_postfix_str(f"start {start + 1}: {name} beside plain")
             pair = f"{name}/{start}"
-            with (serve("plain", None, model_dir, args, f"plain-beside-{name}-{start}") as plain,
-                  serve(name, known[name], model_dir, args, f"{name}-{start}") as ours):
+            logs = {"plain": f"plain-beside-{name}-{start}", name: f"{name}-{start}"}
+            with (serve(None, model_dir, args, logs["plain"]) as plain,
+                  serve(known[name], model_dir, args, logs[name]) as ours):
                 for index in range(0, len(runs), 2):
                     for server, setting, run_index in ((plain, "plain", index),
                                                        (ours, name, index),
                                                        (ours, name, index + 1),
                                                        (plain, "plain", index + 1)):
-                        stem = f"{'plain-beside-' if setting == 'plain' else ''}{name}-{start}"
                         rows.append(measure(server, setting, model_dir, tokenizer,
-                                            runs[run_index], args, f"{stem}-r{run_index}",
+                                            runs[run_index], args,
+                                            f"{logs[setting]}-r{run_index}",
                                             start=start, pair=pair))
                         progress.update()
             save(rows)
@@ -308,7 +309,7 @@ def main() -> None:
                else 2 * args.starts * len(others))
     with tqdm(total=servers * len(runs), desc="bench runs") as progress:
         order = bracketed if args.bracketed else paired
-        rows = order(args, known, model_dir, tokenizer, runs, progress, save)
+        rows = order(args, others, known, model_dir, tokenizer, runs, progress, save)
     report = serving_table(rows, args)
     (RESULTS / f"{args.name}.md").write_text(report)
     plot_serving(rows, args, RESULTS / f"{args.name}.png")

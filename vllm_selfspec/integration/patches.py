@@ -4,11 +4,11 @@ Twenty-two attributes, each small and named here, are the whole contact surface
 (six run the methods, five keep a round that drafts nothing as cheap as a
 plain step, one gives a step's Python frames room (`integration/frame_stack.py`),
 three concern vLLM-CPU's rejection-sampler path (a kernel fallback, the
-kernels' registration and the recovered tokens' noise: `integration/cpu_kernels.py`), one lets vLLM-CPU load its compile cache
-(`integration/compile_cache.py`), six count where tokens came from, with two
-fields added to vLLM dataclasses: `integration/token_sources.py`); three more
-run vLLM's Ray executor on the CPU platform,
-only when `SELFSPEC_RAY_CPU=1` asks for it (`integration/ray_cpu.py`).
+kernels' registration and the recovered tokens' noise: `integration/cpu_kernels.py`),
+one lets vLLM-CPU load its compile cache (`integration/compile_cache.py`), six
+count where tokens came from, with two fields added to vLLM dataclasses:
+`integration/token_sources.py`); three more run vLLM's Ray executor on the CPU
+platform, only when `SELFSPEC_RAY_CPU=1` asks for it (`integration/ray_cpu.py`).
 
 The plugin loads in every vLLM process, plain ones too. Before patching,
 `incompatibilities` checks the installed vLLM against what everything here
